@@ -1,0 +1,60 @@
+"""specfleet's engine: lossless speculative decoding on MLX.
+
+Public API: load_pair, ModelPair, GenerationRequest, GenerationResult, SpecStats,
+generate, stream, count_prompt_tokens, and the errors below EngineError.
+
+MLX is imported on first use of anything that needs it (after a fast system BLAS
+is loaded on Linux), so `engine.types` stays cheap to import.
+"""
+
+from __future__ import annotations
+
+from .blas import preload_openblas
+
+preload_openblas()  # must run before anything imports mlx
+
+from .types import (  # noqa: E402
+    CacheError,
+    ContextLengthError,
+    EngineError,
+    GenerationRequest,
+    GenerationResult,
+    InvalidRequestError,
+    ModelLoadError,
+    SpecStats,
+    TokenizerMismatchError,
+)
+
+__all__ = [
+    "CacheError",
+    "ContextLengthError",
+    "EngineError",
+    "GenerationRequest",
+    "GenerationResult",
+    "InvalidRequestError",
+    "ModelLoadError",
+    "ModelPair",
+    "SpecStats",
+    "TokenizerMismatchError",
+    "count_prompt_tokens",
+    "generate",
+    "load_pair",
+    "stream",
+]
+
+_LAZY = {
+    "load_pair": "loading",
+    "ModelPair": "loading",
+    "generate": "text",
+    "stream": "text",
+    "count_prompt_tokens": "text",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        module = importlib.import_module(f".{_LAZY[name]}", __name__)
+        return getattr(module, name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")

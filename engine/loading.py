@@ -1,0 +1,176 @@
+"""Load a target and an optional draft once, and check they speak the same tokens."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from .blas import blas_info
+from .types import ModelLoadError, TokenizerMismatchError
+
+log = logging.getLogger("specfleet.engine")
+
+DEMO_DIR = Path(__file__).resolve().parent / "demo"
+DEMO_TARGET = DEMO_DIR / "target"
+DEMO_DRAFT = DEMO_DIR / "draft"
+DEMO_ALIAS = "demo"
+
+
+@dataclass
+class ModelPair:
+    """A loaded target, an optional draft, and the target's tokenizer.
+
+    `draft_vocab` is how many draft rows map onto target token ids (the shared
+    vocabulary); `controller` holds per-process speed measurements for "auto".
+    """
+
+    target: nn.Module
+    draft: nn.Module | None
+    tokenizer: Any
+    target_path: str
+    draft_path: str | None
+    context_length: int
+    target_vocab: int
+    draft_vocab: int
+    name: str
+    controller: Any = field(default=None, repr=False)
+
+    def info(self) -> dict:
+        """Versions, device, BLAS and model facts, for logs and `spec-doctor`."""
+        import mlx_lm
+
+        return {
+            "name": self.name,
+            "target": self.target_path,
+            "draft": self.draft_path,
+            "target_parameters": _num_params(self.target),
+            "draft_parameters": _num_params(self.draft) if self.draft is not None else 0,
+            "context_length": self.context_length,
+            "vocab_size": self.target_vocab,
+            "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__,
+            "device": str(mx.default_device()),
+            "blas": blas_info(),
+        }
+
+
+def _num_params(model: nn.Module) -> int:
+    return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def _resolve(path_or_id: str | os.PathLike | None, default: Path) -> str:
+    if path_or_id is None:
+        return str(default)
+    return os.fspath(path_or_id)
+
+
+def _load_one(path_or_id: str, role: str):
+    import mlx_lm
+
+    local = Path(path_or_id).expanduser()
+    looks_like_hub_id = path_or_id.count("/") == 1 and not path_or_id.startswith((".", "/", "~"))
+    if not local.exists() and not looks_like_hub_id:
+        raise ModelLoadError(f"{role} model: no such directory: {path_or_id}")
+    try:
+        model, tokenizer, config = mlx_lm.load(
+            str(local) if local.exists() else path_or_id, return_config=True
+        )
+    except Exception as exc:  # mlx_lm raises many kinds; say which model failed
+        raise ModelLoadError(f"{role} model {path_or_id!r} could not be loaded: {exc}") from exc
+    if mx.default_device() == mx.cpu:
+        _to_float32(model)
+    return model, tokenizer, config
+
+
+def _to_float32(model: nn.Module) -> None:
+    # fp16/bf16 matmuls bypass BLAS on the CPU backend and are ~20x slower than fp32.
+    def cast(x):
+        return x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x
+
+    model.update(tree_map(cast, model.parameters()))
+    mx.eval(model.parameters())
+
+
+def _vocab_rows(model: nn.Module, config: dict) -> int:
+    if "vocab_size" in config:
+        return int(config["vocab_size"])
+    return int(model.model.embed_tokens.weight.shape[0])
+
+
+def check_tokenizers(target_tok, draft_tok, target_name: str, draft_name: str) -> int:
+    """Compare the two vocabularies id by id; return the size of the shared one.
+
+    Raises TokenizerMismatchError naming both models and the first differing id.
+    Extra ids on one side (padding rows) are allowed; different strings are not.
+    """
+    t_vocab = target_tok._tokenizer.get_vocab()
+    d_vocab = draft_tok._tokenizer.get_vocab()
+    t_by_id = {i: s for s, i in t_vocab.items()}
+    d_by_id = {i: s for s, i in d_vocab.items()}
+    shared = min(len(t_by_id), len(d_by_id))
+    for i in range(shared):
+        if t_by_id.get(i) != d_by_id.get(i):
+            raise TokenizerMismatchError(
+                f"tokenizers differ: target {target_name} has id {i} = {t_by_id.get(i)!r}, "
+                f"draft {draft_name} has id {i} = {d_by_id.get(i)!r}; "
+                "use a draft from the same model family (same tokenizer)"
+            )
+    return shared
+
+
+def context_length_of(config: dict) -> int:
+    for key in ("max_position_embeddings", "max_sequence_length", "n_positions", "seq_length"):
+        if key in config and config[key]:
+            return int(config[key])
+    return 4096
+
+
+def load_pair(
+    target: str | os.PathLike | None = None,
+    draft: str | os.PathLike | None = None,
+    *,
+    use_draft: bool = True,
+    calibrate: bool = True,
+) -> ModelPair:
+    """Load a target and a draft (local directories or hub ids) once.
+
+    With no arguments: the bundled demo pair. With a target but no draft: the
+    target alone (drafters "lookup" and "none" still work). On the CPU backend
+    weights are cast to float32. Raises ModelLoadError or TokenizerMismatchError.
+    """
+    if target is None and draft is None and use_draft:
+        draft = DEMO_DRAFT
+    target_path = _resolve(target, DEMO_TARGET)
+    model, tokenizer, config = _load_one(target_path, "target")
+    draft_model, draft_path, draft_vocab = None, None, 0
+    target_vocab = _vocab_rows(model, config)
+    if draft is not None and use_draft:
+        draft_path = os.fspath(draft)
+        draft_model, draft_tok, draft_config = _load_one(draft_path, "draft")
+        check_tokenizers(tokenizer, draft_tok, target_path, draft_path)
+        # Rows past the smaller table are padding: the draft gives them probability 0.
+        draft_vocab = min(_vocab_rows(draft_model, draft_config), target_vocab)
+    name = DEMO_ALIAS if Path(target_path).resolve() == DEMO_TARGET else Path(target_path).name
+    pair = ModelPair(
+        target=model,
+        draft=draft_model,
+        tokenizer=tokenizer,
+        target_path=target_path,
+        draft_path=draft_path,
+        context_length=context_length_of(config),
+        target_vocab=target_vocab,
+        draft_vocab=draft_vocab,
+        name=name,
+    )
+    from .adaptive import DraftController
+
+    pair.controller = DraftController.for_pair(pair, calibrate=calibrate)
+    log.info("loaded %s on %s, %s", pair.name, mx.default_device(), blas_info())
+    return pair

@@ -1,0 +1,181 @@
+"""Values that cross the engine's boundary: requests, results, statistics, errors.
+
+This module imports nothing from MLX, so schemas and tests can use it cheaply.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+Drafter = Literal["model", "lookup", "none"]
+FinishReason = Literal["stop", "length"]
+
+
+class EngineError(Exception):
+    """Base class of every error the engine raises on purpose."""
+
+
+class ModelLoadError(EngineError):
+    """A model directory is missing, unreadable or not a causal LM."""
+
+
+class TokenizerMismatchError(EngineError):
+    """Draft and target tokenizers disagree on the shared vocabulary."""
+
+
+class ContextLengthError(EngineError):
+    """Prompt plus max_tokens does not fit the target's context."""
+
+
+class InvalidRequestError(EngineError):
+    """A request the engine cannot run as given (bad option, missing draft...)."""
+
+
+class CacheError(EngineError):
+    """A KV cache cannot be rolled back, so speculation would corrupt output."""
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One generation. Exactly one of prompt, messages, prompt_ids is set.
+
+    temperature 0 means greedy; top_k 0 and top_p 1 mean off. num_draft_tokens is
+    an int in 1..16 or "auto"; drafter picks where draft tokens come from.
+    """
+
+    prompt: str | None = None
+    messages: tuple | list | None = None
+    prompt_ids: tuple | list | None = None
+    max_tokens: int = 256
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: tuple[str, ...] | list[str] | str | None = None
+    num_draft_tokens: int | Literal["auto"] = "auto"
+    drafter: Drafter = "model"
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        if isinstance(self.stop, str):
+            return (self.stop,) if self.stop else ()
+        return tuple(s for s in self.stop if s)
+
+
+@dataclass
+class SpecStats:
+    """Speculative-decoding counters, named and defined as in FORMATS.md.
+
+    Counters add up: the sum of two requests' stats describes both. The
+    per-position draft counts are kept raw so sums stay exact.
+    """
+
+    drafter: str = "none"
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    num_emitted_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)
+    draft_tokens_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record_step(self, num_proposed: int, num_accepted: int, num_emitted: int) -> None:
+        """Count one verify step: proposed draft tokens, how many were accepted,
+        and how many tokens the step put into the output (after stops/max_tokens)."""
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_proposed
+        self.num_accepted_draft_tokens += num_accepted
+        self.num_emitted_tokens += num_emitted
+        _grow(self.acceptance_histogram, num_accepted + 1)
+        self.acceptance_histogram[num_accepted] += 1
+        _grow(self.draft_tokens_per_position, num_proposed)
+        _grow(self.accepted_per_position, num_proposed)
+        for i in range(num_proposed):
+            self.draft_tokens_per_position[i] += 1
+            if i < num_accepted:
+                self.accepted_per_position[i] += 1
+
+    def merge(self, other: SpecStats) -> None:
+        """Add another request's counters to these."""
+        if other.drafter != self.drafter:
+            self.drafter = "mixed" if self.num_spec_steps else other.drafter
+        self.num_spec_steps += other.num_spec_steps
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_draft_tokens += other.num_accepted_draft_tokens
+        self.num_emitted_tokens += other.num_emitted_tokens
+        for mine, theirs in (
+            (self.acceptance_histogram, other.acceptance_histogram),
+            (self.draft_tokens_per_position, other.draft_tokens_per_position),
+            (self.accepted_per_position, other.accepted_per_position),
+        ):
+            _grow(mine, len(theirs))
+            for i, v in enumerate(theirs):
+                mine[i] += v
+
+    def to_dict(self) -> dict:
+        """The `speculative_decoding` object of a result line (FORMATS.md)."""
+        steps = self.num_spec_steps
+        return {
+            "drafter": self.drafter,
+            "num_spec_steps": steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
+            "draft_acceptance_rate": round(
+                self.num_accepted_draft_tokens / self.num_draft_tokens, 4
+            )
+            if self.num_draft_tokens
+            else 0.0,
+            "mean_acceptance_length": round(self.num_emitted_tokens / steps, 4) if steps else 0.0,
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "per_position_acceptance": [
+                round(a / d, 4) if d else 0.0
+                for a, d in zip(
+                    self.accepted_per_position, self.draft_tokens_per_position, strict=True
+                )
+            ],
+            "draft_tokens_per_position": list(self.draft_tokens_per_position),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict) -> SpecStats:
+        """Rebuild counters from `to_dict()` output (e.g. a stored result line)."""
+        hist = list(d.get("acceptance_histogram", []))
+        proposed = list(d.get("draft_tokens_per_position", []))
+        # accepted at position i = steps that accepted more than i draft tokens
+        accepted = [sum(hist[i + 1 :]) for i in range(len(proposed))]
+        steps = int(d.get("num_spec_steps", 0))
+        return cls(
+            drafter=d.get("drafter", "none"),
+            num_spec_steps=steps,
+            num_draft_tokens=int(d.get("num_draft_tokens", 0)),
+            num_accepted_draft_tokens=int(d.get("num_accepted_draft_tokens", 0)),
+            num_emitted_tokens=round(float(d.get("mean_acceptance_length", 0.0)) * steps),
+            acceptance_histogram=hist,
+            draft_tokens_per_position=proposed,
+            accepted_per_position=accepted,
+        )
+
+
+def _grow(values: list[int], n: int) -> None:
+    if len(values) < n:
+        values.extend([0] * (n - len(values)))
+
+
+@dataclass
+class GenerationResult:
+    """What one request produced.
+
+    usage: {"prompt_tokens", "completion_tokens", "total_tokens"}.
+    metrics: {"time_to_first_token_ms", "generation_time_ms", "tokens_per_second",
+    "speculative_decoding": SpecStats.to_dict()}.
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: FinishReason
+    usage: dict
+    metrics: dict
+    stats: SpecStats
