@@ -1,0 +1,124 @@
+"""Defaults for the producer and the worker, in one place, with their environment fallbacks.
+
+Every value here has one line of documentation. Command-line options override these;
+environment variables override the built-in defaults.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from urllib.parse import urlsplit, urlunsplit
+
+#: Redis used when neither --redis, SPEC_REDIS_URL nor REDIS_URL is given.
+DEFAULT_REDIS_URL = "redis://localhost:6379/0"
+
+#: Prefix of every Redis key this project owns (RQ's own keys start with "rq:").
+#: Tests set SPEC_KEY_PREFIX to keep runs apart on a shared server.
+DEFAULT_KEY_PREFIX = "specfleet"
+
+#: Model alias a line runs on when neither the line nor --model names one.
+DEFAULT_MODEL = "demo"
+
+#: max_tokens of a line that does not set it (the engine's default).
+DEFAULT_MAX_TOKENS = 256
+
+#: temperature of a line that does not set it: 1.0, as in the OpenAI API.
+DEFAULT_TEMPERATURE = 1.0
+
+#: A job may run for BASE + PER_TOKEN * max_tokens + PER_PROMPT_CHAR * prompt chars
+#: seconds before it is stopped: finite, and generous for a slow CPU.
+JOB_TIMEOUT_BASE_S = 120
+JOB_TIMEOUT_PER_TOKEN_S = 1.0
+JOB_TIMEOUT_PER_PROMPT_CHAR_S = 0.01
+
+#: How many times a job that raised, timed out or lost its worker is run again
+#: before its line becomes an error line.
+JOB_RETRIES = 2
+
+#: A running job's worker refreshes its liveness every HEARTBEAT_INTERVAL_S; a job whose
+#: liveness is older than HEARTBEAT_TTL_S is abandoned and may be picked up again.
+HEARTBEAT_INTERVAL_S = 10
+HEARTBEAT_TTL_S = 60
+
+#: How long a failed RQ job (the queue's record, not the error line) is kept.
+FAILURE_TTL_S = 7 * 24 * 3600
+
+#: Result lines expire this many seconds after the batch's last write; 0 keeps them
+#: until `spec-collect --delete`.
+RESULT_TTL_S = 0
+
+#: Lines per Redis pipeline when enqueueing and collecting (bounds memory).
+CHUNK_LINES = 500
+
+#: A job-file line longer than this many bytes is an error, never read whole.
+MAX_LINE_BYTES = 8 * 1024 * 1024
+
+#: How often `spec-submit --wait` polls the batch status, in seconds.
+WAIT_POLL_S = 1.0
+
+#: Alias and batch ids are used in Redis keys and RQ job ids: keep them plain.
+ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+
+
+def redis_url(explicit: str | None = None) -> str:
+    """The Redis URL to use: the explicit one, else SPEC_REDIS_URL, else REDIS_URL,
+    else DEFAULT_REDIS_URL."""
+    return (
+        explicit
+        or os.environ.get("SPEC_REDIS_URL")
+        or os.environ.get("REDIS_URL")
+        or DEFAULT_REDIS_URL
+    )
+
+
+def key_prefix() -> str:
+    """Prefix of this project's Redis keys (SPEC_KEY_PREFIX, default "specfleet")."""
+    return os.environ.get("SPEC_KEY_PREFIX") or DEFAULT_KEY_PREFIX
+
+
+def result_ttl_s() -> int:
+    """Seconds result lines live (SPEC_RESULT_TTL_S); 0 means until deleted."""
+    return int(os.environ.get("SPEC_RESULT_TTL_S") or RESULT_TTL_S)
+
+
+def heartbeat_interval_s() -> float:
+    """Seconds between a running job's heartbeats (SPEC_HEARTBEAT_INTERVAL_S)."""
+    return float(os.environ.get("SPEC_HEARTBEAT_INTERVAL_S") or HEARTBEAT_INTERVAL_S)
+
+
+def heartbeat_ttl_s() -> int:
+    """Seconds a heartbeat keeps a job alive (SPEC_HEARTBEAT_TTL_S)."""
+    return int(os.environ.get("SPEC_HEARTBEAT_TTL_S") or HEARTBEAT_TTL_S)
+
+
+def redact(url: str) -> str:
+    """The URL with any password replaced by "***", safe to print or log.
+
+    >>> redact("redis://:s3cret@host:6379/0")
+    'redis://:***@host:6379/0'
+    """
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparseable URL>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if ":" in host:
+        host = f"[{host}]"
+    netloc = f"{user}:***@{host}"
+    if parts.port is not None:
+        netloc += f":{parts.port}"
+    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+
+
+def job_timeout_s(max_tokens: int, prompt_chars: int) -> int:
+    """Seconds a job may run before RQ stops it; grows with the work asked for."""
+    return int(
+        JOB_TIMEOUT_BASE_S
+        + JOB_TIMEOUT_PER_TOKEN_S * max_tokens
+        + JOB_TIMEOUT_PER_PROMPT_CHAR_S * prompt_chars
+    )

@@ -1,0 +1,96 @@
+"""The Redis key layout, in one place.
+
+With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
+
+    P:batch:B            hash  batch meta and summed counters (created_at, source,
+                               models, cancelled, started_at, last_done_at, completed_at,
+                               completed, failed, prompt_tokens, completion_tokens,
+                               busy_ms, sd:<counter>, sd:hist:<i>, sd:dpp:<i>,
+                               sd:app:<i>, sd:drafter:<name>)
+    P:batch:B:requests   hash  line key -> the validated line (JobLine record, JSON)
+    P:batch:B:order      zset  line key -> line number (every line, valid or not)
+    P:batch:B:results    hash  line key -> result line (JSON), written once
+    P:batch:B:errors     hash  line key -> error line (JSON), written once
+    P:batch:B:done       list  line keys in the order their line was written
+    P:batch:B:workers    hash  "<counter>:<worker>" -> per-worker counters of this batch
+    P:batches            zset  batch id -> created_at
+    P:model:A            hash  a served alias: context_length, tokenizer_json, updated_at
+    P:worker:W           hash  a worker's lifetime counters and model
+    P:refused            list  reports of jobs a worker refused to run (newest first)
+
+RQ's own keys: queue `P:A` (so `rq:queue:P:A`), jobs `rq:job:B-<line>`.
+
+A line key is `c:<custom_id>`, or `l:<line>` for a rejected line whose custom_id is
+missing, invalid or a duplicate: one result or error per key, ever.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from producer import config
+
+
+def line_key(custom_id: str | None, line: int) -> str:
+    return f"c:{custom_id}" if custom_id is not None else f"l:{line}"
+
+
+@dataclass(frozen=True)
+class Keys:
+    """Key names for one prefix."""
+
+    prefix: str
+
+    @classmethod
+    def default(cls) -> Keys:
+        return cls(config.key_prefix())
+
+    def queue_name(self, alias: str) -> str:
+        return f"{self.prefix}:{alias}"
+
+    def batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}"
+
+    def requests(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:requests"
+
+    def order(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:order"
+
+    def results(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:results"
+
+    def errors(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:errors"
+
+    def done(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:done"
+
+    def batch_workers(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:workers"
+
+    def batch_keys(self, batch_id: str) -> list[str]:
+        """Every key of a batch (for TTLs and deletion)."""
+        return [
+            self.batch(batch_id),
+            self.requests(batch_id),
+            self.order(batch_id),
+            self.results(batch_id),
+            self.errors(batch_id),
+            self.done(batch_id),
+            self.batch_workers(batch_id),
+        ]
+
+    @property
+    def batches(self) -> str:
+        return f"{self.prefix}:batches"
+
+    def model(self, alias: str) -> str:
+        return f"{self.prefix}:model:{alias}"
+
+    def worker(self, name: str) -> str:
+        return f"{self.prefix}:worker:{name}"
+
+    @property
+    def refused(self) -> str:
+        return f"{self.prefix}:refused"
