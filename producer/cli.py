@@ -1,0 +1,265 @@
+"""Console scripts of a machine that submits and collects: spec-submit, spec-status,
+spec-collect, spec-retry, spec-cancel. No MLX here.
+
+Exit codes: 0 done; 1 the request could not be done (invalid job file, unknown batch,
+Redis unreachable; one line on stderr says why); 2 bad command-line usage.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+
+import click
+import redis
+
+from producer import batches, config
+from producer.connection import RedisUnavailable, connect, warn_if_evicting
+from producer.jobfile import JobFileError
+from producer.keys import Keys
+from producer.submit import (
+    SubmitError,
+    check_batch_id,
+    enqueue_file,
+    new_batch_id,
+    validate,
+)
+from producer.tokencount import ContextChecker
+
+REDIS_HELP = (
+    "Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL, else " + config.DEFAULT_REDIS_URL + "]"
+)
+
+
+def _say(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _friendly_errors(name: str):
+    """Turn the errors a user can act on into one line on stderr and exit code 1."""
+
+    def wrap(func):
+        @functools.wraps(func)
+        def run(*args, **kwargs):
+            try:
+                return func(*args, **kwargs)
+            except (RedisUnavailable, SubmitError, batches.BatchError, JobFileError) as exc:
+                _say(f"{name}: error: {exc}")
+                sys.exit(1)
+            except redis.exceptions.ConnectionError as exc:
+                url = config.redact(config.redis_url(kwargs.get("redis_url")))
+                _say(f"{name}: error: lost the connection to Redis at {url}: {exc}")
+                sys.exit(1)
+
+        return run
+
+    return wrap
+
+
+def _redis_option(func):
+    return click.option("--redis", "redis_url", metavar="URL", help=REDIS_HELP)(func)
+
+
+def _follow_hint(batch_id: str, redis_url: str | None) -> str:
+    where = f" --redis {config.redact(redis_url)}" if redis_url else ""
+    return (
+        f"follow it:  spec-status {batch_id}{where}\n"
+        f"collect it: spec-collect {batch_id}{where} -o results.jsonl"
+    )
+
+
+@click.command()
+@click.argument("jobs_file", metavar="JOBS.jsonl")
+@_redis_option
+@click.option(
+    "--model",
+    metavar="ALIAS",
+    help="Run every line on this model alias (overrides the lines' model).",
+)
+@click.option(
+    "--batch-id", metavar="ID", help="Batch id to use; re-submitting one skips lines already done."
+)
+@click.option(
+    "--skip-invalid", is_flag=True, help="Enqueue the valid lines; invalid ones become error lines."
+)
+@click.option("--wait", is_flag=True, help="Wait until the batch is finished.")
+@click.option("-o", "--output", metavar="FILE", help="With --wait: write the results here.")
+@click.option(
+    "--errors",
+    "errors_path",
+    metavar="FILE",
+    help="With --wait: write error lines here (default: into -o).",
+)
+@_friendly_errors("spec-submit")
+def submit(jobs_file, redis_url, model, batch_id, skip_invalid, wait, output, errors_path):
+    """Validate JOBS.jsonl and enqueue its lines as one batch.
+
+    Every problem is printed as FILE:LINE: field: message. With any invalid line
+    nothing is enqueued (exit 1) unless --skip-invalid. Prints the batch id on stdout.
+    """
+    if (output or errors_path) and not wait:
+        raise click.UsageError("-o and --errors need --wait (or use spec-collect later)")
+    if model is not None and not config.ALIAS_PATTERN.match(model):
+        raise click.BadParameter(f"not a model alias: {model!r}", param_hint="--model")
+    batch_id = check_batch_id(batch_id) if batch_id else new_batch_id()
+    conn = connect(redis_url)
+    keys = Keys.default()
+    checker = ContextChecker(conn, keys, model or config.DEFAULT_MODEL)
+
+    valid, invalid = validate(jobs_file, model, checker, lambda e: _say(e.format(jobs_file)))
+    if invalid and not skip_invalid:
+        _say(
+            f"spec-submit: {jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
+            "enqueued (fix them, or pass --skip-invalid to run the valid lines)"
+        )
+        sys.exit(1)
+    if valid + invalid == 0:
+        _say(f"spec-submit: {jobs_file}: no requests (the file is empty)")
+        sys.exit(1)
+
+    report = enqueue_file(conn, keys, jobs_file, batch_id, config.DEFAULT_MODEL, model, checker)
+    click.echo(batch_id)
+    parts = [f"{report.enqueued} enqueued"]
+    if report.invalid:
+        parts.append(f"{report.invalid} invalid (error lines)")
+    if report.already_done:
+        parts.append(f"{report.already_done} already done")
+    if report.already_pending:
+        parts.append(f"{report.already_pending} already queued or running")
+    models = ", ".join(f"{alias} ({n})" for alias, n in sorted(report.models.items()))
+    _say(
+        f"batch {batch_id}: {report.lines} lines: {', '.join(parts)}"
+        + (f"; models: {models}" if models else "")
+    )
+    for alias in report.models:
+        if not conn.exists(keys.model(alias)):
+            _say(
+                f"note: no worker has served model {alias!r} yet; its jobs wait for `spec-worker --alias {alias}`"
+            )
+    warning = warn_if_evicting(conn)
+    if warning:
+        _say(f"warning: {warning}")
+    if not wait:
+        _say(_follow_hint(batch_id, redis_url))
+        return
+    final = _wait(conn, keys, batch_id)
+    if output:
+        counts = batches.collect(conn, keys, batch_id, output, errors_path)
+        _say(_collected(counts, output, errors_path))
+    counts = final["request_counts"]
+    _say(
+        f"batch {batch_id} {final['status']}: {counts['completed']} completed, {counts['failed']} failed"
+    )
+
+
+def _wait(conn, keys, batch_id: str) -> dict:
+    last = None
+    while True:
+        state = batches.status(conn, keys, batch_id)
+        c = state["request_counts"]
+        line = (
+            f"{state['status']}: {c['completed'] + c['failed']}/{c['total']} done "
+            f"({c['running']} running, {c['failed']} failed), "
+            f"{state['throughput_tokens_per_second']:.1f} tok/s"
+        )
+        if line != last:
+            _say(line)
+            last = line
+        if state["status"] in batches.TERMINAL and c["running"] == 0:
+            return state
+        time.sleep(config.WAIT_POLL_S)
+
+
+def _collected(counts: dict, output: str, errors_path: str | None) -> str:
+    text = f"wrote {counts['results']} result(s) to {output}"
+    if errors_path:
+        text += f" and {counts['errors']} error line(s) to {errors_path}"
+    elif counts["errors"]:
+        text += f" (including {counts['errors']} error line(s))"
+    if counts["pending"]:
+        text += f"; {counts['pending']} line(s) not finished yet"
+    return text
+
+
+@click.command()
+@click.argument("batch_id", metavar="BATCH")
+@_redis_option
+@click.option("--json", "as_json", is_flag=True, help="Print the status object (FORMATS.md).")
+@_friendly_errors("spec-status")
+def status(batch_id, redis_url, as_json):
+    """Show a batch's progress: counts, throughput, acceptance, ETA, workers."""
+    conn = connect(redis_url)
+    state = batches.status(conn, Keys.default(), batch_id)
+    if as_json:
+        click.echo(json.dumps(state, indent=2))
+        return
+    c, sd = state["request_counts"], state["speculative_decoding"]
+    eta = "-" if state["eta_seconds"] is None else f"{state['eta_seconds']:.0f} s"
+    click.echo(f"batch {state['id']}: {state['status']}")
+    click.echo(
+        f"  requests: {c['total']} total, {c['queued']} queued, {c['running']} running, "
+        f"{c['completed']} completed, {c['failed']} failed"
+    )
+    click.echo(
+        f"  tokens: {state['usage']['prompt_tokens']} prompt, "
+        f"{state['usage']['completion_tokens']} completion; "
+        f"{state['throughput_tokens_per_second']:.1f} tok/s; ETA {eta}"
+    )
+    click.echo(
+        f"  speculative decoding: drafter {sd['drafter']}, acceptance "
+        f"{sd['draft_acceptance_rate']:.2f}, mean acceptance length {sd['mean_acceptance_length']:.2f}"
+    )
+    for w in state["workers"]:
+        click.echo(
+            f"  worker {w['name']} ({w['model']}): {w['completed']} completed, "
+            f"{w['tokens_per_second']:.1f} tok/s"
+        )
+
+
+@click.command()
+@click.argument("batch_id", metavar="BATCH")
+@_redis_option
+@click.option("-o", "--output", required=True, metavar="FILE", help="Results file to write.")
+@click.option(
+    "--errors", "errors_path", metavar="FILE", help="Error lines file (default: into -o)."
+)
+@click.option(
+    "--order", type=click.Choice(["input", "completion"]), default="input", show_default=True
+)
+@click.option(
+    "--delete",
+    is_flag=True,
+    help="Delete the batch from Redis once written (finished batches only).",
+)
+@_friendly_errors("spec-collect")
+def collect(batch_id, redis_url, output, errors_path, order, delete):
+    """Write a batch's result lines (and error lines) to files."""
+    conn = connect(redis_url)
+    counts = batches.collect(conn, Keys.default(), batch_id, output, errors_path, order, delete)
+    _say(_collected(counts, output, errors_path) + ("; deleted the batch" if delete else ""))
+
+
+@click.command()
+@click.argument("batch_id", metavar="BATCH")
+@_redis_option
+@_friendly_errors("spec-retry")
+def retry(batch_id, redis_url):
+    """Queue again the lines of a batch that ended in an error line."""
+    conn = connect(redis_url)
+    n = batches.retry(conn, Keys.default(), batch_id)
+    _say(f"batch {batch_id}: re-queued {n} failed line(s)")
+
+
+@click.command()
+@click.argument("batch_id", metavar="BATCH")
+@_redis_option
+@_friendly_errors("spec-cancel")
+def cancel(batch_id, redis_url):
+    """Cancel a batch: waiting lines are removed (error code `cancelled`); running ones finish."""
+    conn = connect(redis_url)
+    keys = Keys.default()
+    n = batches.cancel(conn, keys, batch_id)
+    running = batches.status(conn, keys, batch_id)["request_counts"]["running"]
+    _say(f"batch {batch_id}: cancelled {n} waiting line(s); {running} running will finish")

@@ -1,0 +1,208 @@
+"""Submitting a job file: validate every line, then enqueue in bulk, idempotently.
+
+Two passes over the file keep memory bounded whatever its size: the first validates
+every line and reports every problem; the second (only when the file is acceptable)
+re-reads it and enqueues CHUNK_LINES lines per Redis pipeline. Re-submitting a batch
+id skips lines that already have a result or whose job is still queued or running,
+and runs again the lines that ended in an error line.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+from redis import Redis
+from rq import Callback, Queue, Retry
+from rq.serializers import JSONSerializer
+
+from producer import config, store
+from producer.jobfile import JobLine, LineError, validate_file
+from producer.keys import Keys, line_key
+from producer.lines import dumps, error_line, line_id
+
+#: The one function workers run; they refuse jobs naming anything else.
+JOB_FUNCTION = "worker.jobs.run_request"
+#: Called by RQ when a job raised, timed out or was abandoned (writes the error line
+#: once no retries are left).
+FAILURE_CALLBACK = "worker.jobs.on_job_failure"
+
+
+class SubmitError(Exception):
+    """The file cannot be submitted as asked; the message says why."""
+
+
+class InvalidJobFile(SubmitError):
+    """Some lines are invalid and --skip-invalid was not given: nothing was enqueued."""
+
+    def __init__(self, invalid_lines: int, valid_lines: int):
+        self.invalid_lines = invalid_lines
+        self.valid_lines = valid_lines
+        super().__init__(
+            f"{invalid_lines} invalid line(s), {valid_lines} valid: nothing was enqueued "
+            "(fix the lines, or pass --skip-invalid to run the valid ones)"
+        )
+
+
+@dataclass
+class SubmitReport:
+    batch_id: str
+    lines: int = 0
+    enqueued: int = 0
+    invalid: int = 0
+    already_done: int = 0
+    already_pending: int = 0
+    rerun: int = 0
+    models: dict[str, int] = field(default_factory=dict)
+
+
+def new_batch_id() -> str:
+    """`batch_<UTC time>_<random>`: sortable, unique, safe in keys and job ids."""
+    return f"batch_{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}_{secrets.token_hex(3)}"
+
+
+def check_batch_id(batch_id: str) -> str:
+    if not config.ID_PATTERN.match(batch_id):
+        raise SubmitError(f"batch id must be 1 to 64 letters, digits, '_' or '-', got {batch_id!r}")
+    return batch_id
+
+
+def validate(
+    path: str,
+    model_override: str | None,
+    check: Callable[[JobLine], LineError | None] | None,
+    on_error: Callable[[LineError], None],
+) -> tuple[int, int]:
+    """First pass: report every problem through on_error; returns (valid, invalid) line
+    counts. Raises JobFileError when the file cannot be read."""
+    valid, invalid_lines = 0, set()
+    for item in validate_file(path, model_override, check):
+        if isinstance(item, LineError):
+            invalid_lines.add(item.line)
+            on_error(item)
+        else:
+            valid += 1
+    return valid, len(invalid_lines)
+
+
+def enqueue_file(
+    conn: Redis,
+    keys: Keys,
+    path: str,
+    batch_id: str,
+    default_model: str,
+    model_override: str | None,
+    check: Callable[[JobLine], LineError | None] | None,
+) -> SubmitReport:
+    """Second pass: enqueue the valid lines of a validated file and store the invalid
+    ones as `invalid_request` error lines."""
+    report = SubmitReport(batch_id)
+    meta = keys.batch(batch_id)
+    created = time.time()
+    with conn.pipeline() as pipe:
+        pipe.hsetnx(meta, "created_at", f"{created:.3f}")
+        pipe.hset(meta, "source", path.rsplit("/", 1)[-1])
+        pipe.zadd(keys.batches, {batch_id: created}, nx=True)
+        pipe.execute()
+    queues: dict[str, Queue] = {}
+    for chunk in _chunks(validate_file(path, model_override, check)):
+        _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report)
+    return report
+
+
+def _chunks(items: Iterator[JobLine | LineError]) -> Iterator[list[JobLine | list[LineError]]]:
+    """Group a validation stream into chunks of lines (a line is a JobLine or the list
+    of its LineErrors)."""
+    chunk: list = []
+    current: list[LineError] = []
+    for item in items:
+        if isinstance(item, LineError):
+            if current and current[0].line != item.line:
+                chunk.append(current)
+                current = []
+            current.append(item)
+            continue
+        if current:
+            chunk.append(current)
+            current = []
+        chunk.append(item)
+        if len(chunk) >= config.CHUNK_LINES:
+            yield chunk
+            chunk = []
+    if current:
+        chunk.append(current)
+    if chunk:
+        yield chunk
+
+
+def _key_of(entry: JobLine | list[LineError]) -> str:
+    if isinstance(entry, JobLine):
+        return line_key(entry.custom_id, entry.line)
+    return line_key(entry[0].custom_id, entry[0].line)
+
+
+def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report) -> None:
+    line_keys = [_key_of(e) for e in chunk]
+    states = store.classify(conn, keys, batch_id, line_keys)
+    store.clear_errors(
+        conn, keys, batch_id, [k for k, s in zip(line_keys, states, strict=True) if s == "error"]
+    )
+    jobs: dict[str, list] = {}
+    with conn.pipeline(transaction=False) as pipe:
+        for entry, key, state in zip(chunk, line_keys, states, strict=True):
+            report.lines += 1
+            line = entry.line if isinstance(entry, JobLine) else entry[0].line
+            pipe.zadd(keys.order(batch_id), {key: line})
+            if state == "done":
+                report.already_done += 1
+                continue
+            if state == "pending":
+                report.already_pending += 1
+                continue
+            report.rerun += state == "error"
+            if isinstance(entry, list):
+                report.invalid += 1
+                continue
+            job = entry if entry.model else entry.with_model(default_model)
+            if state == "error":  # forget the failed run's RQ job before enqueueing anew
+                job_id = line_id(batch_id, job.line)
+                pipe.delete(f"rq:job:{job_id}")
+                pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", job_id)
+            pipe.hset(keys.requests(batch_id), key, dumps(job.to_record()))
+            pipe.hset(keys.batch(batch_id), f"model:{job.model}", 1)
+            jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job))
+            report.models[job.model] = report.models.get(job.model, 0) + 1
+            report.enqueued += 1
+        if jobs:
+            pipe.hdel(keys.batch(batch_id), "completed_at", "cancelled")
+        for alias, datas in jobs.items():
+            if alias not in queues:
+                queues[alias] = Queue(
+                    keys.queue_name(alias), connection=conn, serializer=JSONSerializer
+                )
+            queues[alias].enqueue_many(datas, pipeline=pipe)
+        pipe.execute()
+    # Invalid lines are written after their order entries exist, so totals add up.
+    for entry, key, state in zip(chunk, line_keys, states, strict=True):
+        if isinstance(entry, list) and state in ("new", "error"):
+            message = "; ".join(f"{e.field}: {e.message}" if e.field else e.message for e in entry)
+            line = error_line(
+                batch_id, entry[0].line, entry[0].custom_id, "invalid_request", message
+            )
+            store.store_line(conn, keys, batch_id, key, dumps(line), ok=False)
+
+
+def _job_data(batch_id: str, key: str, job: JobLine):
+    return Queue.prepare_data(
+        JOB_FUNCTION,
+        args=[batch_id, key],
+        timeout=config.job_timeout_s(job.params["max_tokens"], job.prompt_chars()),
+        result_ttl=0,
+        failure_ttl=config.FAILURE_TTL_S,
+        description=f"{batch_id} line {job.line} ({job.custom_id})",
+        job_id=line_id(batch_id, job.line),
+        retry=Retry(max=config.JOB_RETRIES),
+        on_failure=Callback(FAILURE_CALLBACK),
+    )

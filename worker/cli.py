@@ -1,0 +1,231 @@
+"""Console scripts of a machine that generates: spec-worker (queue) and spec-run (local).
+
+Exit codes: 0 done (spec-worker: also after a first SIGTERM, once the current job is
+finished); 1 the request could not be done (invalid job file, model not loadable,
+Redis unreachable; one line on stderr says why); 2 bad usage; 128 + signal number
+after a second stop signal (the running job was put back in its queue).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import sys
+import time
+
+import click
+from rq.serializers import JSONSerializer
+
+from producer import config
+from producer.connection import RedisUnavailable, connect, warn_if_evicting
+from producer.jobfile import JobFileError
+from producer.keys import Keys
+from producer.submit import SubmitError, check_batch_id, new_batch_id, validate
+
+log = logging.getLogger("specfleet.worker")
+
+
+def _say(message: str) -> None:
+    click.echo(message, err=True)
+
+
+def _fail(name: str, message: str) -> None:
+    _say(f"{name}: error: {message}")
+    sys.exit(1)
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _load_pair(name: str, target: str | None, draft: str | None):
+    import engine  # MLX: only the machines that generate import it
+
+    try:
+        return engine.load_pair(target, draft)
+    except engine.EngineError as exc:
+        _fail(name, f"cannot load the model pair: {exc}")
+
+
+@click.command()
+@click.option(
+    "--redis",
+    "redis_url",
+    metavar="URL",
+    help="Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL, else redis://localhost:6379/0]",
+)
+@click.option(
+    "--target", metavar="DIR_OR_ID", help="Target model (default: the bundled demo target)."
+)
+@click.option(
+    "--draft",
+    metavar="DIR_OR_ID",
+    help="Draft model (default: the demo draft with the demo target).",
+)
+@click.option(
+    "--alias", metavar="NAME", help="Model alias to serve (default: the pair's name, e.g. demo)."
+)
+@click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
+@click.option("--max-jobs", type=click.IntRange(min=1), metavar="N", help="Exit after N jobs.")
+@click.option("--name", metavar="NAME", help="Worker name (default: host.pid).")
+@click.option(
+    "--log-level",
+    default="INFO",
+    show_default=True,
+    type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
+)
+def worker(redis_url, target, draft, alias, burst, max_jobs, name, log_level):
+    """Serve one model alias from its queue: load the pair once, run jobs in this process."""
+    from worker.jobs import WorkerContext, set_context
+    from worker.rqworker import SafeJob, SpecWorker
+
+    _setup_logging(log_level)
+    if alias is not None and not config.ALIAS_PATTERN.match(alias):
+        raise click.BadParameter(f"not a model alias: {alias!r}", param_hint="--alias")
+    url = config.redis_url(redis_url)
+    try:
+        conn = connect(url)
+    except RedisUnavailable as exc:
+        _fail("spec-worker", str(exc))
+    pair = _load_pair("spec-worker", target, draft)
+    alias = alias or pair.name
+    keys = Keys.default()
+    name = name or f"{socket.gethostname()}.{os.getpid()}"
+    _register(conn, keys, pair, alias, name)
+    set_context(WorkerContext(pair, alias, name, conn, keys, config.result_ttl_s()))
+    queue = keys.queue_name(alias)
+    warning = warn_if_evicting(conn)
+    if warning:
+        log.warning(warning)
+    log.info(
+        "worker %s serving model %s from queue %s at %s", name, alias, queue, config.redact(url)
+    )
+    log.info("pair: %s", pair.info())
+    spec_worker = SpecWorker(
+        [queue],
+        name=name,
+        connection=conn,
+        serializer=JSONSerializer,
+        job_class=SafeJob,
+        refused_key=keys.refused,
+        worker_ttl=60,
+        maintenance_interval=30,
+    )
+    try:
+        spec_worker.work(burst=burst, max_jobs=max_jobs, logging_level=log_level.upper())
+    finally:
+        set_context(None)
+    if spec_worker.cold_signum is not None:
+        sys.exit(128 + spec_worker.cold_signum)
+
+
+def _register(conn, keys: Keys, pair, alias: str, name: str) -> None:
+    """Tell producers what this alias is: context length and tokenizer (for the
+    submit-time length check), and who serves it."""
+    mapping = {
+        "context_length": pair.context_length,
+        "target": pair.target_path,
+        "draft": pair.draft_path or "",
+        "updated_at": f"{time.time():.3f}",
+    }
+    tokenizer_json = _tokenizer_json(pair)
+    if tokenizer_json:
+        mapping["tokenizer_json"] = tokenizer_json
+    conn.hset(keys.model(alias), mapping=mapping)
+    conn.hset(
+        keys.worker(name),
+        mapping={
+            "model": alias,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "started_at": f"{time.time():.3f}",
+        },
+    )
+
+
+def _tokenizer_json(pair) -> str | None:
+    backend = getattr(getattr(pair.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+    try:
+        text = backend.to_str() if backend is not None else None
+    except Exception:
+        text = None
+    if text is None:
+        path = os.path.join(pair.target_path, "tokenizer.json")
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+    return text if text and len(text) < 32 * 1024 * 1024 else None
+
+
+@click.command()
+@click.argument("jobs_file", metavar="JOBS.jsonl")
+@click.option("-o", "--output", required=True, metavar="FILE", help="Results file to write.")
+@click.option(
+    "--errors", "errors_path", metavar="FILE", help="Error lines file (default: into -o)."
+)
+@click.option(
+    "--target", metavar="DIR_OR_ID", help="Target model (default: the bundled demo target)."
+)
+@click.option(
+    "--draft",
+    metavar="DIR_OR_ID",
+    help="Draft model (default: the demo draft with the demo target).",
+)
+@click.option(
+    "--model", metavar="ALIAS", help="Run every line on the loaded pair, whatever its model says."
+)
+@click.option(
+    "--alias", metavar="NAME", help="Model alias written in results (default: the pair's name)."
+)
+@click.option(
+    "--batch-id", metavar="ID", help="Batch id for line ids and derived seeds (default: a new one)."
+)
+@click.option(
+    "--skip-invalid", is_flag=True, help="Run the valid lines; invalid ones become error lines."
+)
+def run(jobs_file, output, errors_path, target, draft, model, alias, batch_id, skip_invalid):
+    """Run a job file in this process, without Redis: the same validation, engine and
+    result lines as the queue."""
+    from worker.local import context_check, run_file
+
+    _setup_logging("WARNING")
+    try:
+        batch_id = check_batch_id(batch_id) if batch_id else new_batch_id()
+    except SubmitError as exc:
+        _fail("spec-run", str(exc))
+    pair = _load_pair("spec-run", target, draft)
+    alias = alias or model or pair.name
+    check = context_check(pair, alias)
+    try:
+        valid, invalid = validate(jobs_file, model, check, lambda e: _say(e.format(jobs_file)))
+    except JobFileError as exc:
+        _fail("spec-run", str(exc))
+    if invalid and not skip_invalid:
+        _fail(
+            "spec-run",
+            f"{jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was run "
+            "(fix them, or pass --skip-invalid to run the valid lines)",
+        )
+    if valid + invalid == 0:
+        _fail("spec-run", f"{jobs_file}: no requests (the file is empty)")
+    out = open(output, "wb")
+    errors_out = open(errors_path, "wb") if errors_path else out
+    try:
+        summary = run_file(pair, alias, jobs_file, batch_id, out, errors_out, model or None, _say)
+    finally:
+        out.close()
+        if errors_out is not out:
+            errors_out.close()
+    sd = summary.stats.to_dict()
+    rate = summary.completion_tokens / summary.seconds if summary.seconds else 0.0
+    _say(
+        f"spec-run: batch {batch_id}: {summary.completed} completed, {summary.failed} failed "
+        f"in {summary.seconds:.1f} s; {summary.completion_tokens} tokens, {rate:.1f} tok/s; "
+        f"acceptance {sd['draft_acceptance_rate']:.2f}, mean acceptance length "
+        f"{sd['mean_acceptance_length']:.2f}"
+    )

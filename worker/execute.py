@@ -1,0 +1,60 @@
+"""Run one validated line on a loaded pair and build its output line.
+
+Shared by the queue worker and `spec-run`, so both produce the same line for the same
+request and seed. Engine errors a user can act on become error lines; anything else
+is raised (the queue retries it, spec-run records `internal_error`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass
+
+import engine
+from producer.jobfile import JobLine
+from producer.lines import effective_seed, error_line, result_line
+from producer.store import result_counters
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one line produced: a result line (ok) or an error line, and its counters."""
+
+    ok: bool
+    line: dict
+    counters: dict
+    completion_tokens: int = 0
+    stats: engine.SpecStats | None = None
+
+
+def to_request(job: JobLine, seed: int | None) -> engine.GenerationRequest:
+    """The engine request for a line (params are GenerationRequest's keyword arguments)."""
+    params = dict(job.params)
+    params["seed"] = seed
+    if params.get("stop") is not None:
+        params["stop"] = tuple(params["stop"])
+    return engine.GenerationRequest(**params)
+
+
+def execute(pair, alias: str, batch_id: str, job: JobLine) -> Outcome:
+    """Generate one line. Raises whatever the engine raises that is not a request error."""
+    seed = effective_seed(batch_id, job)
+    started = time.perf_counter()
+    try:
+        res = engine.generate(pair, to_request(job, seed))
+    except engine.ContextLengthError as exc:
+        return failure(batch_id, job, "context_length_exceeded", f"{job.prompt_field}: {exc}")
+    except engine.InvalidRequestError as exc:
+        return failure(batch_id, job, "invalid_request", str(exc))
+    busy_ms = int((time.perf_counter() - started) * 1000)
+    line = result_line(
+        batch_id, job, alias, res.text, res.finish_reason, res.usage, res.metrics, seed
+    )
+    counters = result_counters(res.usage, dataclasses.asdict(res.stats), busy_ms)
+    return Outcome(True, line, counters, int(res.usage["completion_tokens"]), res.stats)
+
+
+def failure(batch_id: str, job: JobLine, code: str, message: str) -> Outcome:
+    """An error line for a line that could not be run."""
+    return Outcome(False, error_line(batch_id, job.line, job.custom_id, code, message), {})

@@ -1,0 +1,142 @@
+"""The one job function a worker runs, its failure callback, and their context.
+
+A job is `run_request(batch_id, line_key)`: it reads the validated line from
+`P:batch:B:requests`, runs it on the pair loaded at start-up (set once with
+`set_context`, never loaded inside a job) and stores its line and counters with
+`store_line`, once per (batch, line key): a job that runs twice writes nothing the
+second time.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from redis import Redis
+from rq.exceptions import AbandonedJobError
+from rq.timeouts import JobTimeoutException
+
+from producer import store
+from producer.jobfile import JobLine
+from producer.keys import Keys
+from producer.lines import dumps, error_line
+from worker.execute import execute, failure
+
+log = logging.getLogger("specfleet.worker")
+
+
+@dataclass
+class WorkerContext:
+    """What every job needs, made once at worker start-up."""
+
+    pair: Any
+    alias: str
+    worker_name: str
+    conn: Redis
+    keys: Keys
+    ttl_s: int = 0
+
+
+_context: WorkerContext | None = None
+
+
+def set_context(context: WorkerContext | None) -> None:
+    global _context
+    _context = context
+
+
+def get_context() -> WorkerContext:
+    if _context is None:
+        raise RuntimeError("run_request needs a worker context (set_context at start-up)")
+    return _context
+
+
+def run_request(batch_id: str, line_key: str) -> dict:
+    """Run one line of a batch and store its result or error line.
+
+    Returns a small summary (stored by RQ only briefly). Raises on unexpected errors,
+    so RQ retries the job; the last failure becomes an error line in on_job_failure.
+    """
+    ctx = get_context()
+    conn, keys = ctx.conn, ctx.keys
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.hexists(keys.results(batch_id), line_key)
+        pipe.hexists(keys.errors(batch_id), line_key)
+        pipe.hget(keys.requests(batch_id), line_key)
+        pipe.hget(keys.batch(batch_id), "cancelled")
+        has_result, has_error, record, cancelled = pipe.execute()
+    if has_result or has_error:
+        return {"stored": False, "reason": "already has a line"}
+    if record is None:
+        log.warning("batch %s has no request %s (deleted?): nothing to do", batch_id, line_key)
+        return {"stored": False, "reason": "no such request"}
+    job = JobLine.from_record(json.loads(record))
+    if cancelled:
+        outcome = failure(batch_id, job, "cancelled", "the batch was cancelled before it started")
+    elif job.model != ctx.alias:
+        outcome = failure(
+            batch_id,
+            job,
+            "model_not_served",
+            f"model {job.model!r} reached a worker serving {ctx.alias!r}; it was not run",
+        )
+    else:
+        conn.hsetnx(keys.batch(batch_id), "started_at", f"{time.time():.3f}")
+        outcome = execute(ctx.pair, ctx.alias, batch_id, job)
+    stored = store.store_line(
+        conn,
+        keys,
+        batch_id,
+        line_key,
+        dumps(outcome.line),
+        ok=outcome.ok,
+        counters=outcome.counters,
+        worker=ctx.worker_name,
+        ttl_s=ctx.ttl_s,
+    )
+    code = None if outcome.ok else outcome.line["error"]["code"]
+    log.info(
+        "%s line %d (%s): %s%s",
+        batch_id,
+        job.line,
+        job.custom_id,
+        f"{outcome.completion_tokens} tokens" if outcome.ok else f"error {code}",
+        "" if stored else " (already stored by another run)",
+    )
+    return {"stored": stored, "ok": outcome.ok}
+
+
+def on_job_failure(job, connection: Redis, exc_type, exc_value, traceback) -> None:
+    """RQ failure callback: once a job has no retries left, write its error line
+    (`timeout`, `worker_lost` or `internal_error`). Runs in a worker process."""
+    if job.retries_left:
+        return  # RQ runs it again
+    batch_id, line_key = job.args
+    keys = _context.keys if _context is not None else Keys.default()
+    record = connection.hget(keys.requests(batch_id), line_key)
+    if record is None:
+        return
+    line = JobLine.from_record(json.loads(record))
+    tries = f"{(job.retry_max or 0) + 1} attempt(s)"
+    if exc_type is not None and issubclass(exc_type, JobTimeoutException):
+        code, message = "timeout", f"did not finish within {job.timeout} s ({tries})"
+    elif exc_type is not None and issubclass(exc_type, AbandonedJobError):
+        code, message = "worker_lost", f"the worker running it stopped responding ({tries})"
+    else:
+        name = exc_type.__name__ if exc_type is not None else "error"
+        code, message = "internal_error", f"{name}: {exc_value} ({tries})"
+    worker = _context.worker_name if _context is not None else None
+    store.store_line(
+        connection,
+        keys,
+        batch_id,
+        line_key,
+        dumps(error_line(batch_id, line.line, line.custom_id, code, message)),
+        ok=False,
+        worker=worker,
+        ttl_s=_context.ttl_s if _context is not None else 0,
+    )
+    log.warning("%s line %d (%s): error %s: %s", batch_id, line.line, line.custom_id, code, message)
