@@ -1,0 +1,617 @@
+"""`spec-report`: one self-contained HTML page about a finished (or running) batch.
+
+Reads result and error lines (FORMATS.md) from local files or from a batch in Redis,
+and writes one HTML file with a summary table and inline SVG plots, drawn here in
+Python: no JavaScript, no CDN, nothing fetched when it is opened. No MLX here.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import sys
+import time
+from collections import Counter, defaultdict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import click
+
+#: Worker name for lines that do not say which worker ran them (e.g. `spec-run`).
+LOCAL_WORKER = "local"
+
+#: Bins of the throughput-over-time plot and of the per-request histograms.
+TIME_BINS = 40
+HIST_BINS = 20
+
+PALETTE = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#17becf")
+
+
+class ReportError(Exception):
+    """The input cannot be read as result/error lines; the message says where."""
+
+
+@dataclass(frozen=True)
+class Line:
+    """What the report needs from one result or error line."""
+
+    custom_id: str | None
+    ok: bool
+    worker: str = LOCAL_WORKER
+    model: str | None = None
+    created: float | None = None
+    generation_ms: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    spec: dict | None = None
+    error_code: str | None = None
+    error_message: str | None = None
+
+
+def parse_line(obj: dict) -> Line:
+    """A result line or an error line (FORMATS.md) as a Line. Raises ReportError."""
+    if not isinstance(obj, dict) or "custom_id" not in obj:
+        raise ReportError("not a result or error line (no custom_id)")
+    response, error = obj.get("response"), obj.get("error")
+    if response is None:
+        error = error if isinstance(error, dict) else {}
+        return Line(
+            obj["custom_id"],
+            False,
+            error_code=str(error.get("code", "unknown")),
+            error_message=str(error.get("message", "")),
+        )
+    body = response.get("body") or {}
+    metrics = body.get("metrics") or {}
+    usage = body.get("usage") or {}
+    # Workers may name themselves in the line; lines without a name ran in one place.
+    worker = obj.get("worker") or metrics.get("worker") or LOCAL_WORKER
+    return Line(
+        obj["custom_id"],
+        True,
+        worker=str(worker),
+        model=body.get("model"),
+        created=float(body["created"]) if body.get("created") is not None else None,
+        generation_ms=float(metrics.get("generation_time_ms") or 0.0),
+        prompt_tokens=int(usage.get("prompt_tokens") or 0),
+        completion_tokens=int(usage.get("completion_tokens") or 0),
+        spec=metrics.get("speculative_decoding"),
+    )
+
+
+def read_jsonl(path: str) -> Iterator[Line]:
+    """Lines of a results or errors file; blank lines skipped. Raises ReportError."""
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise ReportError(f"{path}: cannot open: {exc.strerror}") from exc
+    with f:
+        for number, text in enumerate(f, 1):
+            if not text.strip():
+                continue
+            try:
+                yield parse_line(json.loads(text))
+            except (json.JSONDecodeError, ReportError, TypeError, ValueError) as exc:
+                raise ReportError(f"{path}:{number}: {exc}") from exc
+
+
+def read_batch(conn, keys, batch_id: str, chunk: int = 500) -> Iterator[Line]:
+    """The lines a batch has written so far, in the order they were written, from
+    the `results`/`errors` hashes and the `done` list of producer.keys."""
+    if not conn.exists(keys.batch(batch_id)):
+        raise ReportError(f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r})")
+    start = 0
+    while True:
+        line_keys = conn.lrange(keys.done(batch_id), start, start + chunk - 1)
+        if not line_keys:
+            return
+        with conn.pipeline(transaction=False) as pipe:
+            pipe.hmget(keys.results(batch_id), line_keys)
+            pipe.hmget(keys.errors(batch_id), line_keys)
+            results, errors = pipe.execute()
+        for result, error in zip(results, errors, strict=True):
+            raw = result if result is not None else error
+            if raw is not None:
+                yield parse_line(json.loads(raw))
+        start += chunk
+
+
+# --- statistics -----------------------------------------------------------------------
+
+
+@dataclass
+class Summary:
+    """Sums over a batch's lines (the same counters FORMATS.md sums for a batch)."""
+
+    requests: int = 0
+    failed: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    generation_s: float = 0.0
+    wall_s: float = 0.0
+    num_spec_steps: int = 0
+    num_emitted_tokens: float = 0.0
+    num_draft_tokens: int = 0
+    num_accepted_draft_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)
+    draft_tokens_per_position: list[int] = field(default_factory=list)
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafters: Counter = field(default_factory=Counter)
+    models: Counter = field(default_factory=Counter)
+    errors: Counter = field(default_factory=Counter)
+    error_examples: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_second(self) -> float:
+        """Decode speed of one stream: completion tokens / summed generation time."""
+        return self.completion_tokens / self.generation_s if self.generation_s else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Batch throughput: completion tokens / wall-clock span of the batch."""
+        return self.completion_tokens / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def draft_acceptance_rate(self) -> float:
+        n = self.num_draft_tokens
+        return self.num_accepted_draft_tokens / n if n else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        steps = self.num_spec_steps
+        return self.num_emitted_tokens / steps if steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [
+            a / d if d else 0.0
+            for a, d in zip(self.accepted_per_position, self.draft_tokens_per_position, strict=True)
+        ]
+
+    def drafter(self) -> str:
+        if not self.drafters:
+            return "none"
+        if len(self.drafters) == 1:
+            return next(iter(self.drafters))
+        return "mixed (" + ", ".join(f"{d}: {n}" for d, n in self.drafters.most_common()) + ")"
+
+
+def _add(into: list, values: Iterable) -> None:
+    values = list(values)
+    if len(into) < len(values):
+        into.extend([0] * (len(values) - len(into)))
+    for i, v in enumerate(values):
+        into[i] += v
+
+
+def _position_counts(spec: dict) -> tuple[list[int], list[int]]:
+    """(proposed, accepted) draft tokens per position of one line. Uses
+    `draft_tokens_per_position` when present; otherwise the accepted counts come from
+    the histogram (a step accepting j tokens accepted positions 0..j-1) and the
+    proposed counts from accepted / per_position_acceptance."""
+    ppa = [float(x) for x in spec.get("per_position_acceptance") or []]
+    dpp = spec.get("draft_tokens_per_position")
+    if dpp is not None:
+        dpp = [int(x) for x in dpp]
+        ppa = (ppa + [0.0] * len(dpp))[: len(dpp)]
+        return dpp, [round(p * d) for p, d in zip(ppa, dpp, strict=True)]
+    hist = [int(x) for x in spec.get("acceptance_histogram") or []]
+    accepted = [sum(hist[i + 1 :]) for i in range(len(ppa))]
+    steps = int(spec.get("num_spec_steps") or 0)
+    return [round(a / p) if p else steps for a, p in zip(accepted, ppa, strict=True)], accepted
+
+
+def summarize(lines: Iterable[Line]) -> Summary:
+    """Sum every line's counters; failed lines count as requests and errors."""
+    s = Summary()
+    first_start, last_end = math.inf, -math.inf
+    for line in lines:
+        s.requests += 1
+        if not line.ok:
+            s.failed += 1
+            s.errors[line.error_code] += 1
+            s.error_examples.setdefault(line.error_code, (line.custom_id, line.error_message))
+            continue
+        s.prompt_tokens += line.prompt_tokens
+        s.completion_tokens += line.completion_tokens
+        s.generation_s += line.generation_ms / 1000
+        if line.model:
+            s.models[line.model] += 1
+        if line.created is not None:
+            first_start = min(first_start, line.created - line.generation_ms / 1000)
+            last_end = max(last_end, line.created)
+        spec = line.spec
+        if not spec:
+            continue
+        steps = int(spec.get("num_spec_steps") or 0)
+        s.drafters[spec.get("drafter", "none")] += 1
+        s.num_spec_steps += steps
+        s.num_emitted_tokens += float(spec.get("mean_acceptance_length") or 0.0) * steps
+        s.num_draft_tokens += int(spec.get("num_draft_tokens") or 0)
+        s.num_accepted_draft_tokens += int(spec.get("num_accepted_draft_tokens") or 0)
+        _add(s.acceptance_histogram, (int(x) for x in spec.get("acceptance_histogram") or []))
+        proposed, accepted = _position_counts(spec)
+        _add(s.draft_tokens_per_position, proposed)
+        _add(s.accepted_per_position, accepted + [0] * (len(proposed) - len(accepted)))
+        _add(s.accepted_per_position, [0] * len(s.draft_tokens_per_position))
+    if last_end > first_start:
+        s.wall_s = last_end - first_start
+    return s
+
+
+def throughput_series(lines: list[Line], bins: int = TIME_BINS) -> dict[str, list[tuple]]:
+    """Completion tokens/s over time, per worker: each request's tokens are spread
+    evenly over [created - generation time, created], then summed per time bin.
+    Returns {worker: [(seconds since the first start, tokens/s), ...]}."""
+    spans = [
+        (ln.worker, ln.created - ln.generation_ms / 1000, ln.created, ln.completion_tokens)
+        for ln in lines
+        if ln.ok and ln.created is not None
+    ]
+    if not spans:
+        return {}
+    t0 = min(start for _, start, _, _ in spans)
+    t1 = max(end for _, _, end, _ in spans)
+    width = max(t1 - t0, 1e-3) / bins
+    if all(ln.created == int(ln.created) for ln in lines if ln.ok and ln.created is not None):
+        # `created` is in whole seconds: bins shorter than 2 s would show rounding, not load.
+        width = max(width, 2.0)
+        bins = max(1, math.ceil((t1 - t0) / width - 1e-9))
+    out: dict[str, list[float]] = defaultdict(lambda: [0.0] * bins)
+    for worker, start, end, tokens in spans:
+        row = out[worker]
+        if end - start <= 0:
+            row[min(int((end - t0) / width), bins - 1)] += tokens / width
+            continue
+        rate = tokens / (end - start)
+        for b in range(int((start - t0) / width), min(int((end - t0) / width), bins - 1) + 1):
+            lo, hi = max(start, t0 + b * width), min(end, t0 + (b + 1) * width)
+            if hi > lo:
+                row[b] += rate * (hi - lo) / width
+    last = (t1 - t0) - (bins - 1) * width  # the last bin may end past the last request
+    scale = [1.0] * (bins - 1) + [width / last if last > 1e-9 else 1.0]
+    return {
+        w: [((b + 0.5) * width, v * scale[b]) for b, v in enumerate(row)]
+        for w, row in sorted(out.items())
+    }
+
+
+# --- SVG -------------------------------------------------------------------------------
+
+W, H = 560, 300
+LEFT, RIGHT, TOP, BOTTOM = 64, 16, 16, 48
+
+
+def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    if hi <= lo:
+        hi = lo + 1
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step) * step
+    return [first + i * step for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _fmt(v: float) -> str:
+    if v == int(v) and abs(v) < 1e6:
+        return f"{int(v)}"
+    return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+
+
+def _frame(kind: str, title: str, xlabel: str, ylabel: str, inner: str) -> str:
+    return (
+        f"<figure><figcaption>{html.escape(title)}</figcaption>"
+        f'<svg class="plot" data-plot="{kind}" viewBox="0 0 {W} {H}" width="{W}" height="{H}" '
+        f'role="img" aria-label="{html.escape(title)}" xmlns="http://www.w3.org/2000/svg">'
+        f"{inner}"
+        f'<text x="{LEFT + (W - LEFT - RIGHT) / 2}" y="{H - 8}" text-anchor="middle">'
+        f"{html.escape(xlabel)}</text>"
+        f'<text transform="translate(14 {TOP + (H - TOP - BOTTOM) / 2}) rotate(-90)" '
+        f'text-anchor="middle">{html.escape(ylabel)}</text></svg></figure>'
+    )
+
+
+def _empty(kind: str, title: str, why: str) -> str:
+    inner = (
+        f'<text class="empty" x="{W / 2}" y="{H / 2}" text-anchor="middle">'
+        f"{html.escape(why)}</text>"
+    )
+    return _frame(kind, title, "", "", inner)
+
+
+def _axes(xlo, xhi, ylo, yhi, xticks=None) -> tuple[str, callable, callable]:
+    pw, ph = W - LEFT - RIGHT, H - TOP - BOTTOM
+
+    def sx(x):
+        return LEFT + (x - xlo) / ((xhi - xlo) or 1) * pw
+
+    def sy(y):
+        return TOP + ph - (y - ylo) / ((yhi - ylo) or 1) * ph
+
+    parts = [f'<rect x="{LEFT}" y="{TOP}" width="{pw}" height="{ph}" class="bg"/>']
+    for y in _nice_ticks(ylo, yhi):
+        if y <= yhi + 1e-9:
+            parts.append(
+                f'<line x1="{LEFT}" x2="{LEFT + pw}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" class="grid"/>'
+            )
+            parts.append(
+                f'<text x="{LEFT - 6}" y="{sy(y) + 4:.1f}" text-anchor="end">{_fmt(y)}</text>'
+            )
+    for x, label in xticks if xticks is not None else ((x, _fmt(x)) for x in _nice_ticks(xlo, xhi)):
+        if xlo - 1e-9 <= x <= xhi + 1e-9:
+            parts.append(
+                f'<text x="{sx(x):.1f}" y="{TOP + ph + 18}" text-anchor="middle">{label}</text>'
+            )
+    return "".join(parts), sx, sy
+
+
+def line_chart(kind, title, xlabel, ylabel, series: dict[str, list[tuple]]) -> str:
+    """One polyline per named series of (x, y) points, with a legend."""
+    points = [p for pts in series.values() for p in pts]
+    if not points:
+        return _empty(kind, title, "no timed result lines")
+    xhi = max(x for x, _ in points)
+    yhi = max(max(y for _, y in points), 1e-9) * 1.1
+    body, sx, sy = _axes(0, xhi, 0, yhi)
+    for i, (name, pts) in enumerate(series.items()):
+        color = PALETTE[i % len(PALETTE)]
+        path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
+        body += f'<polyline class="series" points="{path}" fill="none" stroke="{color}" stroke-width="2"/>'
+        body += (
+            f'<rect x="{LEFT + 10}" y="{TOP + 8 + 16 * i}" width="10" height="10" fill="{color}"/>'
+            f'<text x="{LEFT + 24}" y="{TOP + 17 + 16 * i}">{html.escape(name)}</text>'
+        )
+    return _frame(kind, title, xlabel, ylabel, body)
+
+
+def bar_chart(kind, title, xlabel, ylabel, bars: list[tuple[str, float, str]], ymax=None) -> str:
+    """Bars of (label, value, hover text), left to right."""
+    if not bars or not any(v for _, v, _ in bars):
+        return _empty(kind, title, "no data")
+    yhi = ymax if ymax is not None else max(v for _, v, _ in bars) * 1.1
+    n = len(bars)
+    every = max(1, math.ceil(n / 12))
+    ticks = [
+        (i + 0.5, html.escape(label)) for i, (label, _, _) in enumerate(bars) if i % every == 0
+    ]
+    body, sx, sy = _axes(0, n, 0, yhi, xticks=ticks)
+    for i, (_, value, hover) in enumerate(bars):
+        x0, x1 = sx(i) + 1, sx(i + 1) - 1
+        body += (
+            f'<rect class="bar" x="{x0:.1f}" y="{sy(value):.1f}" width="{max(x1 - x0, 1):.1f}" '
+            f'height="{sy(0) - sy(value):.1f}" fill="{PALETTE[0]}"><title>{html.escape(hover)}</title></rect>'
+        )
+    return _frame(kind, title, xlabel, ylabel, body)
+
+
+def histogram(kind, title, xlabel, values: list[float], bins: int = HIST_BINS) -> str:
+    """Counts of `values` in equal-width bins."""
+    if not values:
+        return _empty(kind, title, "no result lines")
+    lo, hi = min(values), max(values)
+    width = (hi - lo) / bins if hi > lo else 1.0
+    if all(v == int(v) for v in values):  # counts: whole-number bins, labelled exactly
+        width = max(1, math.ceil((hi - lo + 1) / bins))
+        bins = max(1, math.ceil((hi - lo + 1) / width))
+    counts = [0] * bins
+    for v in values:
+        counts[min(int((v - lo) / width), bins - 1)] += 1
+    bars = [
+        (_fmt(lo + i * width), c, f"[{_fmt(lo + i * width)}, {_fmt(lo + (i + 1) * width)}): {c}")
+        for i, c in enumerate(counts)
+    ]
+    return bar_chart(kind, title, xlabel, "requests", bars)
+
+
+# --- page ------------------------------------------------------------------------------
+
+STYLE = """
+body { font: 14px/1.4 "DejaVu Sans", Helvetica, Arial, sans-serif; margin: 24px; color: #222; }
+h1 { font-size: 20px; } h2 { font-size: 16px; margin-top: 28px; }
+table { border-collapse: collapse; } td, th { padding: 3px 12px 3px 0; text-align: left; }
+td.n { text-align: right; font-variant-numeric: tabular-nums; }
+tr + tr td, tr + tr th { border-top: 1px solid #eee; }
+.plots { display: flex; flex-wrap: wrap; gap: 16px; }
+figure { margin: 0; } figcaption { font-weight: bold; margin-bottom: 4px; }
+svg text { font-size: 11px; fill: #333; } svg .empty { font-size: 14px; fill: #888; }
+svg .bg { fill: #fafafa; stroke: #ccc; } svg .grid { stroke: #e4e4e4; }
+.note { color: #666; font-size: 12px; }
+"""
+
+
+def _row(name: str, value: str, note: str = "") -> str:
+    return (
+        f"<tr><th>{html.escape(name)}</th><td class=n>{html.escape(value)}</td>"
+        f'<td class="note">{html.escape(note)}</td></tr>'
+    )
+
+
+def _summary_table(s: Summary) -> str:
+    rows = [
+        _row("requests", f"{s.requests}"),
+        _row("failed", f"{s.failed}"),
+        _row("prompt tokens", f"{s.prompt_tokens:,}"),
+        _row("completion tokens", f"{s.completion_tokens:,}"),
+        _row(
+            "tokens/s per request",
+            f"{s.tokens_per_second:.1f}",
+            "completion tokens / summed generation time",
+        ),
+        _row(
+            "batch throughput",
+            f"{s.throughput:.1f} tokens/s",
+            "completion tokens / wall-clock span",
+        ),
+        _row(
+            "draft acceptance rate",
+            f"{s.draft_acceptance_rate:.3f}",
+            "accepted / proposed draft tokens",
+        ),
+        _row(
+            "mean acceptance length",
+            f"{s.mean_acceptance_length:.2f}",
+            "tokens per target forward pass",
+        ),
+        _row("drafter", s.drafter()),
+        _row("model", ", ".join(f"{m} ({n})" for m, n in s.models.most_common()) or "-"),
+    ]
+    return "<table class=summary>" + "".join(rows) + "</table>"
+
+
+def _worker_table(lines: list[Line]) -> str:
+    by: dict[str, list[Line]] = defaultdict(list)
+    for ln in lines:
+        if ln.ok:
+            by[ln.worker].append(ln)
+    rows = ["<tr><th>worker</th><th>requests</th><th>completion tokens</th><th>tokens/s</th></tr>"]
+    for name, mine in sorted(by.items()):
+        tokens = sum(ln.completion_tokens for ln in mine)
+        secs = sum(ln.generation_ms for ln in mine) / 1000
+        rows.append(
+            f"<tr><td>{html.escape(name)}</td><td class=n>{len(mine)}</td>"
+            f"<td class=n>{tokens:,}</td><td class=n>{tokens / secs if secs else 0:.1f}</td></tr>"
+        )
+    return "<table class=workers>" + "".join(rows) + "</table>"
+
+
+def _error_table(s: Summary) -> str:
+    if not s.errors:
+        return "<p>No failed requests.</p>"
+    rows = ["<tr><th>code</th><th>count</th><th>first example</th></tr>"]
+    for code, n in s.errors.most_common():
+        cid, message = s.error_examples[code]
+        rows.append(
+            f"<tr><td>{html.escape(code)}</td><td class=n>{n}</td>"
+            f"<td>{html.escape(str(cid))}: {html.escape(message)}</td></tr>"
+        )
+    return "<table class=errors>" + "".join(rows) + "</table>"
+
+
+def _plots(s: Summary, lines: list[Line]) -> str:
+    ok = [ln for ln in lines if ln.ok]
+    hist = s.acceptance_histogram
+    steps = sum(hist)
+    accept_bars = [
+        (str(i), n, f"{n} verify steps accepted {i} draft tokens ({n / steps:.1%})")
+        for i, n in enumerate(hist)
+    ]
+    position_bars = [
+        (str(i + 1), rate, f"position {i + 1}: {acc}/{prop} accepted ({rate:.1%})")
+        for i, (rate, acc, prop) in enumerate(
+            zip(
+                s.per_position_acceptance,
+                s.accepted_per_position,
+                s.draft_tokens_per_position,
+                strict=True,
+            )
+        )
+    ]
+    return "".join(
+        [
+            line_chart(
+                "throughput",
+                "Throughput over time, per worker",
+                "seconds since the first request started",
+                "completion tokens/s",
+                throughput_series(lines),
+            ),
+            bar_chart(
+                "acceptance-length",
+                "Acceptance length (draft tokens accepted per verify step)",
+                "draft tokens accepted",
+                "verify steps",
+                accept_bars,
+            ),
+            bar_chart(
+                "position-acceptance",
+                "Acceptance by draft position",
+                "draft position",
+                "share accepted",
+                position_bars,
+                ymax=1.0,
+            ),
+            histogram(
+                "time-per-request",
+                "Time per request",
+                "generation time (ms)",
+                [ln.generation_ms for ln in ok],
+            ),
+            histogram(
+                "tokens-per-request",
+                "Tokens per request",
+                "completion tokens",
+                [float(ln.completion_tokens) for ln in ok],
+            ),
+        ]
+    )
+
+
+def render(lines: list[Line], title: str = "specfleet batch report") -> str:
+    """The whole HTML page for these lines."""
+    s = summarize(lines)
+    made = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    return (
+        "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
+        f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
+        f"<h1>{html.escape(title)}</h1><p class=note>made {html.escape(made)} by spec-report</p>"
+        f"<h2>Summary</h2>{_summary_table(s)}"
+        f"<h2>Workers</h2>{_worker_table(lines)}"
+        f"<h2>Errors</h2>{_error_table(s)}"
+        f'<h2>Plots</h2><div class="plots">{_plots(s, lines)}</div>'
+        "</body></html>\n"
+    )
+
+
+@click.command()
+@click.argument("batch_id", required=False, metavar="[BATCH]")
+@click.option(
+    "--results", "results_path", metavar="FILE", help="Local results.jsonl (instead of BATCH)."
+)
+@click.option("--errors", "errors_path", metavar="FILE", help="Local errors.jsonl, with --results.")
+@click.option(
+    "--redis",
+    "redis_url",
+    metavar="URL",
+    help="Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL].",
+)
+@click.option("-o", "--output", required=True, metavar="FILE", help="HTML file to write.")
+def main(batch_id, results_path, errors_path, redis_url, output):
+    """Write a one-file HTML report (summary, per-worker table, plots) for BATCH in
+    Redis, or for local result lines with --results [--errors]."""
+    if bool(batch_id) == bool(results_path):
+        raise click.UsageError("give either BATCH or --results FILE")
+    if errors_path and not results_path:
+        raise click.UsageError("--errors goes with --results")
+    try:
+        if results_path:
+            lines = list(read_jsonl(results_path))
+            if errors_path:
+                lines += list(read_jsonl(errors_path))
+            title = f"specfleet report: {results_path}"
+        else:
+            lines = _batch_lines(batch_id, redis_url)
+            title = f"specfleet report: batch {batch_id}"
+    except ReportError as exc:
+        click.echo(f"spec-report: error: {exc}", err=True)
+        sys.exit(1)
+    page = render(lines, title)
+    with open(output, "w", encoding="utf-8") as f:
+        f.write(page)
+    s = summarize(lines)
+    click.echo(
+        f"wrote {output}: {s.requests} requests, {s.failed} failed, "
+        f"{s.completion_tokens} completion tokens",
+        err=True,
+    )
+
+
+def _batch_lines(batch_id: str, redis_url: str | None) -> list[Line]:
+    from producer.connection import RedisUnavailable, connect
+    from producer.keys import Keys
+
+    try:
+        conn = connect(redis_url)
+    except RedisUnavailable as exc:
+        raise ReportError(str(exc)) from exc
+    return list(read_batch(conn, Keys.default(), batch_id))
