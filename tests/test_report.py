@@ -10,7 +10,6 @@ import shutil
 import socket
 import struct
 import subprocess
-import time
 import zlib
 from pathlib import Path
 
@@ -237,41 +236,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def private_redis():
-    """A throwaway redis-server on a free port (REDIS_URL when set)."""
-    if os.environ.get("REDIS_URL"):
-        yield os.environ["REDIS_URL"]
-        return
-    server = shutil.which("redis-server")
-    if server is None:
-        pytest.skip("redis-server not installed (Debian: apt-get install redis-server)")
-    port = _free_port()
-    proc = subprocess.Popen(
-        [server, "--port", str(port), "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL,
-    )
-    import redis
-
-    conn = redis.Redis(port=port)
-    for _ in range(100):
-        try:
-            conn.ping()
-            break
-        except redis.ConnectionError:
-            time.sleep(0.05)
-    yield f"redis://127.0.0.1:{port}/0"
-    proc.terminate()
-    proc.wait(10)
-
-
-def test_report_from_a_batch_in_redis(private_redis, files, tmp_path, monkeypatch):
+def test_report_from_a_batch_in_redis(redis_url, files, tmp_path, monkeypatch):
     from producer import store
     from producer.connection import connect
     from producer.keys import Keys
 
     monkeypatch.setenv("SPEC_KEY_PREFIX", f"report{os.getpid()}")
-    conn, keys = connect(private_redis), Keys.default()
+    conn, keys = connect(redis_url), Keys.default()
     conn.hset(keys.batch("b1"), "created_at", T0)
     results, errors, _ = files
     for path, ok in ((results, True), (errors, False)):
@@ -279,11 +250,11 @@ def test_report_from_a_batch_in_redis(private_redis, files, tmp_path, monkeypatc
             line = json.loads(text)
             store.store_line(conn, keys, "b1", f"c:{line['custom_id']}", text, ok=ok)
     out = tmp_path / "redis.html"
-    res = _run(["b1", "--redis", private_redis, "-o", str(out)])
+    res = _run(["b1", "--redis", redis_url, "-o", str(out)])
     assert res.exit_code == 0, res.output
     page = out.read_text()
     assert "batch b1" in page and "<th>requests</th><td class=n>32</td>" in page
-    res = _run(["nope", "--redis", private_redis, "-o", str(out)])
+    res = _run(["nope", "--redis", redis_url, "-o", str(out)])
     assert res.exit_code == 1 and "no batch 'nope'" in res.output
 
 
