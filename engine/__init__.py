@@ -1,7 +1,7 @@
 """specfleet's engine: lossless speculative decoding on MLX.
 
 Public API: load_pair, ModelPair, GenerationRequest, GenerationResult, SpecStats,
-generate, stream, count_prompt_tokens, and the errors below EngineError.
+generate, generate_many (batched), stream, count_prompt_tokens, and the errors below EngineError.
 
 MLX is imported on first use of anything that needs it (after a fast system BLAS
 is loaded on Linux), so `engine.types` stays cheap to import.
@@ -38,6 +38,7 @@ __all__ = [
     "TokenizerMismatchError",
     "count_prompt_tokens",
     "generate",
+    "generate_many",
     "load_pair",
     "stream",
 ]
@@ -46,6 +47,7 @@ _LAZY = {
     "load_pair": "loading",
     "ModelPair": "loading",
     "generate": "text",
+    "generate_many": "text",
     "stream": "text",
     "count_prompt_tokens": "text",
 }

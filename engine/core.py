@@ -190,34 +190,10 @@ class SpeculativeDecoder:
         return drafts, q
 
     def _accept_greedy(self, logits: mx.array, drafts: list[int]) -> tuple[int, int]:
-        best = mx.argmax(logits, axis=-1).tolist()
-        n = 0
-        while n < len(drafts) and drafts[n] == best[n]:
-            n += 1
-        return n, best[n]
+        return accept_greedy(mx.argmax(logits, axis=-1).tolist(), drafts)
 
     def _accept_sampled(self, logits: mx.array, drafts: list[int], q) -> tuple[int, int]:
-        k = len(drafts)
-        p = sampling.probs(logits, self.params)  # (k + 1, V), float32
-        noise = sampling.gumbel_rows(self.seed, self.generated, k + 1, p.shape[-1], DRAW_TARGET)
-        if k == 0:
-            return 0, sampling.sample_rows(p, noise)[0].item()
-        x = mx.array(drafts)
-        if q is None:  # deterministic drafter: q is one-hot at the proposal
-            q = (mx.arange(p.shape[-1])[None, :] == x[:, None]).astype(mx.float32)
-        rows = mx.arange(k)
-        px, qx = p[rows, x], q[rows, x]
-        accept = sampling.uniforms(self.seed, self.generated, k) * qx < px
-        residual = mx.maximum(p[:k] - q, 0.0)
-        mass = residual.sum(axis=-1, keepdims=True)
-        # p == q leaves no residual; rejection then has probability 0, but guard it.
-        residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:k])
-        candidates = sampling.sample_rows(mx.concatenate([residual, p[k:]]), noise)
-        accept, candidates = accept.tolist(), candidates.tolist()
-        n = 0
-        while n < k and accept[n]:
-            n += 1
-        return n, candidates[n]
+        return accept_sampled(logits, drafts, q, self.params, self.seed, self.generated)
 
     def _rollback(self, k: int, n: int, drafts: list[int], nxt: int) -> None:
         # Target saw pending + k drafts; keep pending + n accepted, feed nxt next.
@@ -233,3 +209,46 @@ class SpeculativeDecoder:
                 self.draft_pending = [nxt]
         if self.lookup is not None:
             self.lookup.extend(drafts[:n] + [nxt])
+
+
+def accept_greedy(best: list[int], drafts: list[int]) -> tuple[int, int]:
+    """Greedy verification: accept drafts while they equal the target's argmax.
+
+    best[i] is the target's argmax after draft i (best[0]: after the pending
+    token). Returns (accepted count, the target's token that follows them).
+    """
+    n = 0
+    while n < len(drafts) and drafts[n] == best[n]:
+        n += 1
+    return n, best[n]
+
+
+def accept_sampled(
+    logits: mx.array, drafts: list[int], q, params: SamplingParams, seed: int, position: int
+) -> tuple[int, int]:
+    """Speculative sampling over one row: (accepted count, next token).
+
+    logits: (k + 1, V) target rows; q: (k, V) draft laws, or None for a
+    deterministic drafter (one-hot). Randomness is keyed by (seed, position + i).
+    """
+    k = len(drafts)
+    p = sampling.probs(logits, params)  # (k + 1, V), float32
+    noise = sampling.gumbel_rows(seed, position, k + 1, p.shape[-1], DRAW_TARGET)
+    if k == 0:
+        return 0, sampling.sample_rows(p, noise)[0].item()
+    x = mx.array(drafts)
+    if q is None:
+        q = (mx.arange(p.shape[-1])[None, :] == x[:, None]).astype(mx.float32)
+    rows = mx.arange(k)
+    px, qx = p[rows, x], q[rows, x]
+    accept = sampling.uniforms(seed, position, k) * qx < px
+    residual = mx.maximum(p[:k] - q, 0.0)
+    mass = residual.sum(axis=-1, keepdims=True)
+    # p == q leaves no residual; rejection then has probability 0, but guard it.
+    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:k])
+    candidates = sampling.sample_rows(mx.concatenate([residual, p[k:]]), noise)
+    accept, candidates = accept.tolist(), candidates.tolist()
+    n = 0
+    while n < k and accept[n]:
+        n += 1
+    return n, candidates[n]

@@ -12,11 +12,13 @@ import os
 import time
 from collections.abc import Generator, Iterator
 
+from .batch import BatchDecoder
 from .core import MAX_DRAFT_TOKENS, SpeculativeDecoder
 from .drafters import DRAFTERS
 from .sampling import SamplingParams
 from .types import (
     ContextLengthError,
+    EngineError,
     GenerationRequest,
     GenerationResult,
     InvalidRequestError,
@@ -83,106 +85,189 @@ def _find_stop(text: str, stops: tuple[str, ...], start: int) -> int:
     return min(found) if found else -1
 
 
-def _run(pair, request: GenerationRequest) -> Generator[str, None, GenerationResult]:
-    _check(request)
-    t_start = time.perf_counter()
-    ids = prompt_ids(pair, request)
-    if not ids:
-        raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
-    if len(ids) + request.max_tokens > pair.context_length:
-        raise ContextLengthError(
-            f"prompt ({len(ids)} tokens) + max_tokens ({request.max_tokens}) = "
-            f"{len(ids) + request.max_tokens} exceeds the context of {pair.name} "
-            f"({pair.context_length} tokens); shorten the prompt or lower max_tokens"
+class RequestRun:
+    """One request's text-level state: checks it, then turns verified token blocks
+    into text, ending at EOS, a stop string or max_tokens.
+
+    Drive it with `feed(step)` until `finished`, then take `result()`. Both the
+    single-request and the batched decoder use it, so their output is the same.
+    """
+
+    def __init__(self, pair, request: GenerationRequest):
+        _check(request)
+        self.t_start = time.perf_counter()
+        self.request = request
+        self.ids = prompt_ids(pair, request)
+        if not self.ids:
+            raise InvalidRequestError("the prompt is empty: it encodes to no tokens")
+        total = len(self.ids) + request.max_tokens
+        if total > pair.context_length:
+            raise ContextLengthError(
+                f"prompt ({len(self.ids)} tokens) + max_tokens ({request.max_tokens}) = "
+                f"{total} exceeds the context of {pair.name} "
+                f"({pair.context_length} tokens); shorten the prompt or lower max_tokens"
+            )
+        if request.drafter == "model" and pair.draft is None:
+            raise InvalidRequestError(
+                "drafter: 'model' needs a draft model and this engine has none; "
+                "use 'lookup' or 'none'"
+            )
+        self.params = SamplingParams(
+            request.temperature, request.top_p, request.top_k, request.min_p
         )
-    params = SamplingParams(request.temperature, request.top_p, request.top_k, request.min_p)
-    seed = request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little")
-    drafter = request.drafter
-    if drafter == "model" and pair.draft is None:
-        raise InvalidRequestError(
-            "drafter: 'model' needs a draft model and this engine has none; use 'lookup' or 'none'"
+        self.seed = (
+            request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little")
         )
-    plan = None
-    if request.num_draft_tokens == "auto" and drafter != "none":
-        plan = pair.controller.plan(drafter, params.greedy)
-    decoder = SpeculativeDecoder(
-        pair,
-        ids,
-        params,
-        seed=seed,
-        drafter=drafter,
-        num_draft_tokens=request.num_draft_tokens,
-        max_tokens=request.max_tokens,
-        plan=plan,
-    )
-    stats = SpecStats(drafter=drafter)
-    stops = request.stop_strings()
-    hold = max((len(s) for s in stops), default=1) - 1
-    eos = pair.tokenizer.eos_token_ids
-    detok = pair.tokenizer.detokenizer
-    out: list[int] = []
-    sent = 0
-    finish = None
-    t_first = None
-    stop_at = -1
-    for step in decoder.steps():
+        self.plan = None
+        if request.num_draft_tokens == "auto" and request.drafter != "none":
+            self.plan = pair.controller.plan(request.drafter, self.params.greedy)
+        self.stats = SpecStats(drafter=request.drafter)
+        self.stops = request.stop_strings()
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.eos = pair.tokenizer.eos_token_ids
+        self.detok = pair.tokenizer.detokenizer
+        self.out: list[int] = []
+        self.sent = 0
+        self.finish: str | None = None
+        self.t_first: float | None = None
+        self.finished = False
+
+    def decoder(self, pair) -> SpeculativeDecoder:
+        """A single-request token decoder for this request."""
+        r = self.request
+        return SpeculativeDecoder(
+            pair,
+            self.ids,
+            self.params,
+            seed=self.seed,
+            drafter=r.drafter,
+            num_draft_tokens=r.num_draft_tokens,
+            max_tokens=r.max_tokens,
+            plan=self.plan,
+        )
+
+    def feed(self, step) -> str:
+        """Take one verified block; return the new text that is safe to show."""
         used = 0
         for tok in step.tokens:
             used += 1
-            if tok in eos:
-                finish = "stop"
+            if tok in self.eos:
+                self.finish = "stop"
                 break
-            out.append(tok)
-            detok.add_token(tok)
-            if stops:
-                text = detok.text
-                stop_at = _find_stop(text, stops, sent - hold - 1)
-                if stop_at >= 0:
-                    finish = "stop"
-                    break
-            if len(out) >= request.max_tokens:
-                finish = "length"
+            self.out.append(tok)
+            self.detok.add_token(tok)
+            if (
+                self.stops
+                and _find_stop(self.detok.text, self.stops, self.sent - self.hold - 1) >= 0
+            ):
+                self.finish = "stop"
                 break
-        if t_first is None:
-            t_first = time.perf_counter()
-        stats.record_step(step.proposed, min(step.accepted, used), len(step.tokens[:used]))
-        if finish:
+            if len(self.out) >= self.request.max_tokens:
+                self.finish = "length"
+                break
+        if self.t_first is None:
+            self.t_first = time.perf_counter()
+        self.stats.record_step(step.proposed, min(step.accepted, used), used)
+        if self.finish:
+            return self._close()
+        text = self.detok.text
+        safe = len(text) - self.hold if self.stops else len(text)
+        if safe <= self.sent:
+            return ""
+        piece, self.sent = text[self.sent : safe], safe
+        return piece
+
+    def _close(self) -> str:
+        self.finished = True
+        self.detok.finalize()
+        text = self.detok.text
+        if self.stops:
+            at = _find_stop(text, self.stops, 0)
+            if at >= 0:
+                text, self.finish = text[:at], "stop"
+        self.text = text
+        self.finish = self.finish or "length"
+        self.t_end = time.perf_counter()
+        return text[self.sent :] if len(text) > self.sent else ""
+
+    def result(self) -> GenerationResult:
+        """The finished request's text, usage and metrics (FORMATS.md)."""
+        if not self.finished:
+            self._close()
+        gen_s = self.t_end - self.t_start
+        n_out, n_in = len(self.out), len(self.ids)
+        self.stats.num_emitted_tokens = n_out
+        return GenerationResult(
+            text=self.text,
+            token_ids=self.out,
+            finish_reason=self.finish,
+            usage={"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
+            metrics={
+                "time_to_first_token_ms": round(
+                    ((self.t_first or self.t_end) - self.t_start) * 1000, 3
+                ),
+                "generation_time_ms": round(gen_s * 1000, 3),
+                "tokens_per_second": round(n_out / gen_s, 3) if gen_s > 0 else 0.0,
+                "speculative_decoding": self.stats.to_dict(),
+            },
+            stats=self.stats,
+        )
+
+
+def _run(pair, request: GenerationRequest) -> Generator[str, None, GenerationResult]:
+    run = RequestRun(pair, request)
+    for step in run.decoder(pair).steps():
+        piece = run.feed(step)
+        if piece:
+            yield piece
+        if run.finished:
             break
-        text = detok.text
-        safe = len(text) - hold if stops else len(text)
-        if safe > sent:
-            yield text[sent:safe]
-            sent = safe
-    detok.finalize()
-    text = detok.text
-    if stops:
-        stop_at = _find_stop(text, stops, 0)
-        if stop_at >= 0:
-            text, finish = text[:stop_at], "stop"
-    if len(text) > sent:
-        yield text[sent:]
-    finish = finish or "length"
-    t_end = time.perf_counter()
-    gen_s = t_end - t_start
-    n_out = len(out)
-    stats.num_emitted_tokens = n_out
-    return GenerationResult(
-        text=text,
-        token_ids=out,
-        finish_reason=finish,
-        usage={
-            "prompt_tokens": len(ids),
-            "completion_tokens": n_out,
-            "total_tokens": len(ids) + n_out,
-        },
-        metrics={
-            "time_to_first_token_ms": round(((t_first or t_end) - t_start) * 1000, 3),
-            "generation_time_ms": round(gen_s * 1000, 3),
-            "tokens_per_second": round(n_out / gen_s, 3) if gen_s > 0 else 0.0,
-            "speculative_decoding": stats.to_dict(),
-        },
-        stats=stats,
-    )
+    return run.result()
+
+
+def generate_many(
+    pair, requests: list[GenerationRequest], max_batch: int = 16
+) -> Iterator[tuple[int, GenerationResult | EngineError]]:
+    """Run requests together in batches of up to max_batch rows.
+
+    Yields (index, result) as each request finishes, or (index, error) for a
+    request the engine refused (bad option, too long); the others go on. A new
+    request joins as soon as a row frees up.
+    """
+    batch = BatchDecoder(pair)
+    runs: dict[int, RequestRun] = {}
+    waiting = iter(enumerate(requests))
+    while True:
+        while len(runs) < max_batch:
+            item = next(waiting, None)
+            if item is None:
+                break
+            i, request = item
+            try:
+                run = RequestRun(pair, request)
+            except EngineError as exc:
+                yield i, exc
+                continue
+            runs[i] = run
+            batch.add(
+                i,
+                run.ids,
+                run.params,
+                seed=run.seed,
+                drafter=request.drafter,
+                num_draft_tokens=request.num_draft_tokens,
+                max_tokens=request.max_tokens,
+                plan=run.plan,
+            )
+        if not runs:
+            return
+        for i, step in batch.step().items():
+            run = runs[i]
+            run.feed(step)
+            if run.finished:
+                batch.remove(i)
+                del runs[i]
+                yield i, run.result()
 
 
 def stream(pair, request: GenerationRequest) -> Iterator[str]:

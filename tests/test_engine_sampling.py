@@ -120,18 +120,18 @@ def test_speculative_sampling_matches_target_law(small_vocab_pair):
     assert chi_square_p(law, counts) > P_FAIL
 
 
-def _resample_from_p(self, logits, drafts, q):
+def _resample_from_p(logits, drafts, q, params, seed, position):
     # Mutation: at a rejection, sample from p instead of the residual max(0, p - q).
     k = len(drafts)
-    p = sampling.probs(logits, self.params)
-    noise = sampling.gumbel_rows(self.seed, self.generated, k + 1, p.shape[-1], 3)
+    p = sampling.probs(logits, params)
+    noise = sampling.gumbel_rows(seed, position, k + 1, p.shape[-1], 3)
     if k == 0:
         return 0, sampling.sample_rows(p, noise)[0].item()
     x = mx.array(drafts)
     if q is None:
         q = (mx.arange(p.shape[-1])[None, :] == x[:, None]).astype(mx.float32)
     rows = mx.arange(k)
-    accept = (sampling.uniforms(self.seed, self.generated, k) * q[rows, x] < p[rows, x]).tolist()
+    accept = (sampling.uniforms(seed, position, k) * q[rows, x] < p[rows, x]).tolist()
     cands = sampling.sample_rows(p, noise).tolist()
     n = 0
     while n < k and accept[n]:
@@ -140,21 +140,21 @@ def _resample_from_p(self, logits, drafts, q):
 
 
 def _logits_off_by_one(original):
-    def mutated(self, logits, drafts, q):
+    def mutated(logits, drafts, q, params, seed, position):
         # Mutation: judge draft i against the target row of position i + 1.
         shifted = mx.concatenate([logits[1:], logits[-1:]]) if len(drafts) else logits
-        return original(self, shifted, drafts, q)
+        return original(shifted, drafts, q, params, seed, position)
 
     return mutated
 
 
 def _bonus_from_wrong_row(original):
-    def mutated(self, logits, drafts, q):
+    def mutated(logits, drafts, q, params, seed, position):
         # Mutation: the bonus token comes from the row before the last.
-        n, tok = original(self, logits, drafts, q)
+        n, tok = original(logits, drafts, q, params, seed, position)
         if drafts and n == len(drafts):
-            p = sampling.probs(logits[-2], self.params)
-            noise = sampling.gumbel_rows(self.seed, self.generated + n, 1, p.shape[-1], 3)
+            p = sampling.probs(logits[-2], params)
+            noise = sampling.gumbel_rows(seed, position + n, 1, p.shape[-1], 3)
             tok = sampling.sample_rows(p[None], noise)[0].item()
         return n, tok
 
@@ -163,13 +163,13 @@ def _bonus_from_wrong_row(original):
 
 @pytest.mark.parametrize("mutation", ["resample_from_p", "logits_off_by_one", "bonus_wrong_row"])
 def test_chi_square_catches_broken_algorithms(small_vocab_pair, monkeypatch, mutation):
-    original = core.SpeculativeDecoder._accept_sampled
+    original = core.accept_sampled
     broken = {
         "resample_from_p": _resample_from_p,
         "logits_off_by_one": _logits_off_by_one(original),
         "bonus_wrong_row": _bonus_from_wrong_row(original),
     }[mutation]
-    monkeypatch.setattr(core.SpeculativeDecoder, "_accept_sampled", broken)
+    monkeypatch.setattr(core, "accept_sampled", broken)
     law = exact_law(small_vocab_pair)
     counts = draw(small_vocab_pair, N_MUTANT, seed0=2_000_000)
     assert chi_square_p(law, counts) < P_FAIL

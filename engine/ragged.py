@@ -1,0 +1,214 @@
+"""A batched KV cache whose rows roll back independently.
+
+Rows of a batch accept different numbers of draft tokens, so after a verify step
+each row must drop a different number of trailing positions. Moving every row's
+keys would cost a copy of the whole cache per step; instead rejected positions
+stay where they are and are masked out, and each row keeps its own true length
+(its RoPE offset). Keys carry their positions from when they were written, so
+masked holes do not disturb attention. `compact()` squeezes holes out now and then.
+
+One `RaggedRows` is shared by all layer caches of one model; the decoder calls
+`advance()` after every forward pass to say which new positions were real.
+"""
+
+from __future__ import annotations
+
+import mlx.core as mx
+
+GROW = 256
+
+
+class RaggedRows:
+    """Per-row validity and true lengths shared by the layer caches of one model."""
+
+    def __init__(self, batch: int):
+        self.length = 0  # physical positions in use (same for every row)
+        self.valid = mx.zeros((batch, 0), dtype=mx.bool_)
+        self.offset = mx.zeros((batch,), dtype=mx.int32)  # true tokens per row
+        self.layers: list[RaggedLayerCache] = []
+
+    @property
+    def batch(self) -> int:
+        return self.valid.shape[0]
+
+    def advance(self, n_new: int, keep: list[int]) -> None:
+        """After a forward over n_new positions, keep the first keep[i] of row i."""
+        keep_arr = mx.array(keep, dtype=mx.int32)
+        new_valid = mx.arange(n_new)[None, :] < keep_arr[:, None]
+        self.valid = mx.concatenate([self.valid, new_valid], axis=1)
+        self.offset = self.offset + keep_arr
+        self.length += n_new
+        self._drop_dead_tail()
+
+    def drop_last(self, counts: list[int]) -> None:
+        """Mark the last counts[i] real tokens of row i as gone (a rollback)."""
+        if not any(counts):
+            return
+        counts_arr = mx.array(counts, dtype=mx.int32)
+        # Rank of each valid position from the end: 1 for the last real token.
+        from_end = mx.cumsum(self.valid[:, ::-1].astype(mx.int32), axis=1)[:, ::-1]
+        self.valid = self.valid & ~(from_end <= counts_arr[:, None])
+        self.offset = self.offset - counts_arr
+        self._drop_dead_tail()
+
+    def _drop_dead_tail(self) -> None:
+        # Trailing positions invalid in every row can simply be overwritten.
+        alive = mx.any(self.valid, axis=0).tolist()
+        end = len(alive)
+        while end > 0 and not alive[end - 1]:
+            end -= 1
+        if end < self.length:
+            self.valid = self.valid[:, :end]
+            self.length = end
+
+    def waste(self) -> float:
+        """Share of physical positions that hold no real token."""
+        if self.length == 0:
+            return 0.0
+        return 1.0 - mx.sum(self.valid).item() / (self.batch * self.length)
+
+    def compact(self) -> None:
+        """Move each row's real positions to the right end, in order; drop holes."""
+        if self.length == 0:
+            return
+        order_key = self.valid.astype(mx.int32) * self.length + mx.arange(self.length)[None, :]
+        order = mx.argsort(order_key, axis=1)
+        keep = int(mx.max(mx.sum(self.valid, axis=1)).item())
+        order = order[:, self.length - keep :]
+        self.valid = mx.take_along_axis(self.valid, order, axis=1)
+        for layer in self.layers:
+            layer.gather(order)
+        self.length = keep
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order."""
+        idx = mx.array(rows, dtype=mx.int32)
+        self.valid = self.valid[idx]
+        self.offset = self.offset[idx]
+        for layer in self.layers:
+            layer.select(idx)
+        self._drop_dead_head()
+
+    def _drop_dead_head(self) -> None:
+        alive = mx.any(self.valid, axis=0).tolist()
+        start = next((i for i, a in enumerate(alive) if a), len(alive))
+        if start:
+            self.valid = self.valid[:, start:]
+            for layer in self.layers:
+                layer.shift(start)
+            self.length -= start
+
+    def append(self, other: RaggedRows) -> None:
+        """Add the rows of another cache (e.g. a freshly prefilled request)."""
+        if other.length > self.length:
+            self._pad_left(other.length - self.length)
+        elif self.length > other.length:
+            other._pad_left(self.length - other.length)
+        self.valid = mx.concatenate([self.valid, other.valid])
+        self.offset = mx.concatenate([self.offset, other.offset])
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.concat(theirs)
+
+    def _pad_left(self, n: int) -> None:
+        self.valid = mx.concatenate([mx.zeros((self.batch, n), dtype=mx.bool_), self.valid], axis=1)
+        for layer in self.layers:
+            layer.pad_left(n)
+        self.length += n
+
+
+class RaggedLayerCache:
+    """The KV cache of one attention layer, in the interface mlx-lm models call."""
+
+    def __init__(self, rows: RaggedRows):
+        self.rows = rows
+        rows.layers.append(self)
+        self.keys = None
+        self.values = None
+
+    @property
+    def offset(self) -> mx.array:
+        return self.rows.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        start, n = self.rows.length, keys.shape[2]
+        if self.keys is None or start + n > self.keys.shape[2]:
+            self._grow(keys, values, start + n)
+        self.keys[..., start : start + n, :] = keys
+        self.values[..., start : start + n, :] = values
+        return self.keys[..., : start + n, :], self.values[..., : start + n, :]
+
+    def _grow(self, keys, values, needed: int) -> None:
+        size = ((needed + GROW - 1) // GROW) * GROW
+        b, h, _, dk = keys.shape
+        new_k = mx.zeros((b, h, size, dk), keys.dtype)
+        new_v = mx.zeros((b, h, size, values.shape[3]), values.dtype)
+        if self.keys is not None:
+            used = self.rows.length
+            new_k[..., :used, :] = self.keys[..., :used, :]
+            new_v[..., :used, :] = self.values[..., :used, :]
+        self.keys, self.values = new_k, new_v
+
+    def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
+        old = self.rows.length
+        causal = mx.arange(n)[:, None] >= mx.arange(n)[None, :]
+        past = mx.broadcast_to(self.rows.valid[:, None, :], (self.rows.batch, n, old))
+        new = mx.broadcast_to(causal[None], (self.rows.batch, n, n))
+        return mx.concatenate([past, new], axis=2)[:, None]
+
+    @property
+    def state(self):
+        return self.keys, self.values
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def _used(self):
+        n = self.rows.length
+        return self.keys[..., :n, :], self.values[..., :n, :]
+
+    def gather(self, order: mx.array) -> None:
+        k, v = self._used()
+        idx = order[:, None, :, None]
+        self.keys = mx.take_along_axis(k, idx, axis=2)
+        self.values = mx.take_along_axis(v, idx, axis=2)
+
+    def select(self, idx: mx.array) -> None:
+        if self.keys is not None:
+            self.keys, self.values = self.keys[idx], self.values[idx]
+
+    def shift(self, start: int) -> None:
+        if self.keys is not None:
+            self.keys = self.keys[..., start:, :]
+            self.values = self.values[..., start:, :]
+
+    def pad_left(self, n: int) -> None:
+        if self.keys is not None:
+            k, v = self._used()
+            pad = [(0, 0), (0, 0), (n, 0), (0, 0)]
+            self.keys, self.values = mx.pad(k, pad), mx.pad(v, pad)
+
+    def concat(self, other: RaggedLayerCache) -> None:
+        if self.keys is None and other.keys is None:
+            return
+        n = self.rows.length  # both sides were padded to this length
+        mine = self._used() if self.keys is not None else None
+        theirs = other._used() if other.keys is not None else None
+        ref = mine or theirs
+
+        def empty(b: int):
+            k, v = ref
+            return (
+                mx.zeros((b, k.shape[1], n, k.shape[3]), k.dtype),
+                mx.zeros((b, v.shape[1], n, v.shape[3]), v.dtype),
+            )
+
+        mine = mine or empty(self.rows.batch - other.rows.batch)
+        theirs = theirs or empty(other.rows.batch)
+        self.keys = mx.concatenate([mine[0], theirs[0]])
+        self.values = mx.concatenate([mine[1], theirs[1]])
+
+
+def make_ragged_cache(model, batch: int) -> tuple[RaggedRows, list[RaggedLayerCache]]:
+    """A ragged cache for `model` with `batch` empty rows."""
+    rows = RaggedRows(batch)
+    return rows, [RaggedLayerCache(rows) for _ in model.layers]
