@@ -1,0 +1,184 @@
+"""Shared fixtures: a Redis for the queue tests, and real worker processes.
+
+`redis_url` is REDIS_URL when set (CI with a service container), else a private
+redis-server started on a free port for the session: tests never touch a Redis they
+were not given. Each test gets its own key prefix (SPEC_KEY_PREFIX) and batch ids
+that start with it, so tests cannot see each other's keys even on a shared server.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from redis import Redis
+
+from producer.keys import Keys
+
+BIN = Path(sys.executable).parent
+
+#: Queue and CLI tests run on the bundled demo pair. SPEC_TEST_PAIR="TARGET_DIR,DRAFT_DIR"
+#: runs them on another pair (for example while the demo pair is being retrained).
+PAIR_ARGS: list[str] = []
+if os.environ.get("SPEC_TEST_PAIR"):
+    _target, _draft = os.environ["SPEC_TEST_PAIR"].split(",")
+    PAIR_ARGS = ["--target", _target, "--draft", _draft, "--alias", "demo"]
+
+
+def script(name: str) -> str:
+    """Path of one of this project's console scripts in the running environment."""
+    path = BIN / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def redis_url(tmp_path_factory):
+    """A Redis URL for the whole session: REDIS_URL, or a private redis-server."""
+    if os.environ.get("REDIS_URL"):
+        yield os.environ["REDIS_URL"]
+        return
+    server = shutil.which("redis-server")
+    if server is None:
+        pytest.fail("redis-server not found: install it, or set REDIS_URL")
+    port = _free_port()
+    workdir = tmp_path_factory.mktemp("redis")
+    proc = subprocess.Popen(
+        [server, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        + ["--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    conn = Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            conn.ping()
+            break
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                pytest.fail(f"private redis-server on port {port} did not start")
+            time.sleep(0.05)
+    yield url
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@dataclass
+class RedisEnv:
+    """One test's view of Redis: URL, key prefix, a client, and the environment that
+    subprocesses (spec-* commands) must run with."""
+
+    url: str
+    prefix: str
+    conn: Redis
+    keys: Keys
+    env: dict = field(default_factory=dict)
+
+    def batch_id(self, name: str = "b") -> str:
+        return f"{self.prefix}_{name}"
+
+    def run(self, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
+        """Run a console script to completion; stdout and stderr captured as text."""
+        return subprocess.run(
+            [script(args[0]), *args[1:]],
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            **kwargs,
+        )
+
+
+@pytest.fixture
+def redis_env(redis_url, monkeypatch) -> RedisEnv:
+    prefix = f"t{uuid.uuid4().hex[:10]}"
+    monkeypatch.setenv("SPEC_KEY_PREFIX", prefix)
+    monkeypatch.setenv("SPEC_REDIS_URL", redis_url)
+    conn = Redis.from_url(redis_url)
+    env = dict(os.environ, SPEC_KEY_PREFIX=prefix, SPEC_REDIS_URL=redis_url)
+    env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+    yield RedisEnv(redis_url, prefix, conn, Keys(prefix), env)
+    # Leave nothing behind, even on a shared server: our prefix and our batches' jobs.
+    for pattern in (f"{prefix}*", f"rq:*{prefix}*"):
+        for key in conn.scan_iter(match=pattern, count=1000):
+            conn.delete(key)
+    conn.close()
+
+
+class WorkerProcess:
+    """A real `spec-worker` subprocess, logging to a file; stopped at teardown."""
+
+    def __init__(self, env: RedisEnv, log_path: Path, *args: str):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.proc = subprocess.Popen(
+            [script("spec-worker"), *args],
+            env=env.env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+        )
+
+    @property
+    def log(self) -> str:
+        if not self._log.closed:
+            self._log.flush()
+        return self.log_path.read_text(errors="replace")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            log = self.log
+            self.stop()
+            raise AssertionError(f"spec-worker still running after {timeout} s:\n{log}") from exc
+
+    def signal(self, signum: int = signal.SIGTERM) -> None:
+        self.proc.send_signal(signum)
+
+    def wait_for_log(self, text: str, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while text not in self.log:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise AssertionError(f"never logged {text!r}:\n{self.log}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=10)
+        self._log.close()
+
+
+@pytest.fixture
+def start_worker(redis_env, tmp_path):
+    """start_worker(*args) -> WorkerProcess; every worker is killed at teardown."""
+    started: list[WorkerProcess] = []
+
+    def start(*args: str) -> WorkerProcess:
+        w = WorkerProcess(redis_env, tmp_path / f"worker{len(started)}.log", *args)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.stop()

@@ -1,0 +1,417 @@
+"""Through Redis with real worker processes on the demo pair: results equal spec-run's,
+each line once, foreign jobs refused, re-submission idempotent, --wait, cancel, retry,
+and the worker's reaction to SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from conftest import PAIR_ARGS
+from rq import Callback, Queue
+from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
+
+PROMPTS = [
+    "def fibonacci(n):",
+    "import os\nimport sys\n",
+    "class Stack:\n    def __init__(self):",
+    "# 计算斐波那契数列 🐍\ndef fib(n):",
+    "Écris un haïku sur le thé 🍵",
+    "for i in range(10):",
+]
+
+
+def mixed_lines(n: int = 50) -> list[dict]:
+    """n requests mixing chat and completion, both forms, greedy and sampled (seeded
+    and not), stop strings, and unicode (CJK, emoji, accents) in prompts and ids."""
+    out = []
+    for i in range(n):
+        prompt = PROMPTS[i % len(PROMPTS)]
+        body: dict = {"max_tokens": 4 + i % 7}
+        if i % 2:
+            body["messages"] = [
+                {"role": "system", "content": "You write Python. 你好 👋"},
+                {"role": "user", "content": prompt},
+            ]
+        else:
+            body["prompt"] = prompt
+        body["temperature"] = [0.0, 0.8, 1.0, 0.0, 0.6][i % 5]
+        if i % 3 == 0:
+            body["seed"] = 1000 + i
+        if i % 4 == 1:
+            body["stop"] = ["\n\n", ")"]
+        if i % 5 == 2:
+            body["top_k"] = 20
+            body["top_p"] = 0.9
+        if i % 6 == 5:
+            body["speculative"] = {
+                "num_draft_tokens": 2 + i % 3,
+                "drafter": ["model", "lookup"][i % 2],
+            }
+        custom_id = f"req-{i:02d}-{'茶' if i % 7 == 0 else 'x'}"
+        if i % 2 == 0:
+            url = "/v1/completions" if "prompt" in body else "/v1/chat/completions"
+            out.append({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+        else:
+            out.append({"custom_id": custom_id, **body})
+    return out
+
+
+def write_jobs(path, lines: list[dict]) -> str:
+    path.write_text(
+        "".join(json.dumps(x, ensure_ascii=False) + "\n" for x in lines), encoding="utf-8"
+    )
+    return str(path)
+
+
+def read_jsonl(path) -> list[dict]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def comparable(line: dict) -> dict:
+    """A result line without what legitimately differs between runs: creation time,
+    ids and timings (metrics: the adaptive draft length depends on the process)."""
+    line = json.loads(json.dumps(line))
+    line.pop("id")
+    if line["response"]:
+        line["response"].pop("request_id")
+        body = line["response"]["body"]
+        for key in ("id", "created", "metrics"):
+            body.pop(key)
+    return line
+
+
+def test_end_to_end_two_workers_equal_spec_run(redis_env, start_worker, tmp_path):
+    lines = mixed_lines(50)
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id("e2e")
+
+    local = redis_env.run(
+        "spec-run",
+        jobs,
+        "-o",
+        str(tmp_path / "local.jsonl"),
+        "--batch-id",
+        batch,
+        *PAIR_ARGS,
+        timeout=400,
+    )
+    assert local.returncode == 0, local.stderr
+
+    submitted = redis_env.run("spec-submit", jobs, "--batch-id", batch)
+    assert submitted.returncode == 0, submitted.stderr
+    assert submitted.stdout == f"{batch}\n"
+    workers = [start_worker("--burst", *PAIR_ARGS) for _ in range(2)]
+    for w in workers:
+        assert w.wait(timeout=400) == 0, w.log
+
+    out, errors = tmp_path / "results.jsonl", tmp_path / "errors.jsonl"
+    collected = redis_env.run("spec-collect", batch, "-o", str(out), "--errors", str(errors))
+    assert collected.returncode == 0, collected.stderr
+    assert collected.stderr == f"wrote 50 result(s) to {out} and 0 error line(s) to {errors}\n"
+
+    results, expected = read_jsonl(out), read_jsonl(tmp_path / "local.jsonl")
+    assert read_jsonl(errors) == []
+    assert [r["custom_id"] for r in results] == [
+        x["custom_id"] for x in lines
+    ]  # once each, input order
+    assert [r["id"] for r in results] == [f"{batch}-{i}" for i in range(1, 51)]
+    for got, want in zip(results, expected, strict=True):
+        assert comparable(got) == comparable(want)
+        body = got["response"]["body"]
+        assert body["object"] == (
+            "text_completion" if "text" in body["choices"][0] else "chat.completion"
+        )
+        assert body["model"] == "demo"
+        assert (
+            body["usage"]["total_tokens"]
+            == body["usage"]["prompt_tokens"] + body["usage"]["completion_tokens"]
+        )
+        assert 1 <= body["usage"]["completion_tokens"] <= 10
+        assert set(body["metrics"]) >= {
+            "time_to_first_token_ms",
+            "generation_time_ms",
+            "tokens_per_second",
+            "speculative_decoding",
+        }
+    # Sampled lines without a seed got one derived from (batch, custom_id), and say so.
+    assert all(
+        r["response"]["body"]["seed"] is not None
+        for r, x in zip(results, lines, strict=True)
+        if x.get("body", x)["temperature"] > 0
+    )
+
+    state = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
+    assert state["status"] == "completed"
+    assert state["request_counts"] == {
+        "total": 50,
+        "queued": 0,
+        "running": 0,
+        "completed": 50,
+        "failed": 0,
+    }
+    bodies = [r["response"]["body"] for r in results]
+    assert state["usage"] == {
+        "prompt_tokens": sum(b["usage"]["prompt_tokens"] for b in bodies),
+        "completion_tokens": sum(b["usage"]["completion_tokens"] for b in bodies),
+    }
+    sd = state["speculative_decoding"]
+    lines_sd = [b["metrics"]["speculative_decoding"] for b in bodies]
+    for counter in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens"):
+        assert sd[counter] == sum(x[counter] for x in lines_sd)
+    assert sum(w["completed"] for w in state["workers"]) == 50
+    assert all(w["model"] == "demo" for w in state["workers"])
+    assert state["throughput_tokens_per_second"] > 0
+    assert state["eta_seconds"] == 0.0 and state["completed_at"] >= state["created_at"]
+
+
+def test_forged_jobs_are_refused_and_never_run(redis_env, start_worker, tmp_path):
+    conn, keys = redis_env.conn, redis_env.keys
+    name = keys.queue_name("demo")
+    marker = tmp_path / "pwned"
+    json_queue = Queue(name, connection=conn, serializer=JSONSerializer)
+    forged = {
+        f"{redis_env.prefix}_system": json_queue.enqueue(
+            "os.system", f"touch {marker}1", job_id=f"{redis_env.prefix}_system"
+        ),
+        f"{redis_env.prefix}_pickle": Queue(name, connection=conn).enqueue(
+            os.system, f"touch {marker}2", job_id=f"{redis_env.prefix}_pickle"
+        ),
+        f"{redis_env.prefix}_callback": json_queue.enqueue(
+            "worker.jobs.run_request",
+            "x",
+            "y",
+            on_success=Callback("os.system"),
+            job_id=f"{redis_env.prefix}_callback",
+        ),
+    }
+    jobs = write_jobs(
+        tmp_path / "jobs.jsonl", [{"custom_id": "ok", "prompt": "def f(x):", "max_tokens": 3}]
+    )
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+
+    worker = start_worker("--burst", *PAIR_ARGS)
+    assert worker.wait(timeout=120) == 0, worker.log
+    assert not list(tmp_path.glob("pwned*"))
+    reports = {r["job_id"]: r for r in map(json.loads, conn.lrange(keys.refused, 0, -1))}
+    assert set(reports) == set(forged)
+    assert (
+        reports[f"{redis_env.prefix}_system"]["reason"]
+        == "names function 'os.system'; only worker.jobs.run_request runs here"
+    )
+    assert (
+        reports[f"{redis_env.prefix}_pickle"]["reason"]
+        == "payload is not a JSON job (DeserializationError)"
+    )
+    assert (
+        reports[f"{redis_env.prefix}_callback"]["reason"] == "names a success or stopped callback"
+    )
+    failed = FailedJobRegistry(name, connection=conn).get_job_ids()
+    assert set(forged) <= set(failed)
+    for job_id in forged:
+        assert f"REFUSED job {job_id} from queue {name}" in worker.log
+        assert conn.hget(f"rq:job:{job_id}", "status") == b"failed"
+    assert conn.hexists(keys.results(batch), "c:ok")  # the real job still ran
+
+
+def test_submitting_the_same_batch_twice_runs_each_line_once(redis_env, start_worker, tmp_path):
+    lines = [
+        {"custom_id": f"r{i}", "prompt": PROMPTS[i], "max_tokens": 3, "temperature": 0.9}
+        for i in range(3)
+    ]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    assert start_worker("--burst", *PAIR_ARGS).wait(timeout=120) == 0
+    first = read_jsonl(_collect(redis_env, batch, tmp_path / "first.jsonl"))
+
+    again = redis_env.run("spec-submit", jobs, "--batch-id", batch)
+    assert again.returncode == 0
+    assert f"batch {batch}: 3 lines: 0 enqueued, 3 already done" in again.stderr
+    second_worker = start_worker("--burst", *PAIR_ARGS)
+    assert second_worker.wait(timeout=120) == 0
+    assert "Job OK" not in second_worker.log  # nothing ran again
+    second = read_jsonl(_collect(redis_env, batch, tmp_path / "second.jsonl"))
+    assert second == first and [r["custom_id"] for r in second] == ["r0", "r1", "r2"]
+    meta = redis_env.conn.hgetall(redis_env.keys.batch(batch))
+    assert (meta[b"completed"], meta.get(b"failed", b"0")) == (b"3", b"0")
+
+
+def _collect(redis_env, batch: str, path, *extra: str):
+    result = redis_env.run("spec-collect", batch, "-o", str(path), *extra)
+    assert result.returncode == 0, result.stderr
+    return path
+
+
+def test_submit_wait_returns_when_done_and_writes_the_files(redis_env, start_worker, tmp_path):
+    worker = start_worker(*PAIR_ARGS)
+    lines = [
+        {"custom_id": "a", "prompt": "def f(x):", "max_tokens": 3},
+        {"custom_id": "bad", "prompt": "x", "temperature": -1},
+        {"custom_id": "b", "messages": [{"role": "user", "content": "hi 🍵"}], "max_tokens": 3},
+    ]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    out, errors = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
+    done = redis_env.run(
+        "spec-submit",
+        jobs,
+        "--skip-invalid",
+        "--wait",
+        "-o",
+        str(out),
+        "--errors",
+        str(errors),
+        timeout=180,
+    )
+    assert done.returncode == 0, done.stderr
+    batch = done.stdout.strip()
+    assert f"wrote 2 result(s) to {out} and 1 error line(s) to {errors}" in done.stderr
+    assert done.stderr.rstrip().endswith(f"batch {batch} completed: 2 completed, 1 failed")
+    assert [r["custom_id"] for r in read_jsonl(out)] == ["a", "b"]
+    (error,) = read_jsonl(errors)
+    assert error["error"] == {
+        "code": "invalid_request",
+        "message": "temperature: must be >= 0, got -1",
+        "line": 2,
+    }
+
+    worker.signal(signal.SIGTERM)  # idle: stops at once, exit 0
+    assert worker.wait(timeout=30) == 0
+
+
+def test_cancel_then_retry(redis_env, start_worker, tmp_path):
+    lines = [{"custom_id": f"r{i}", "prompt": PROMPTS[i], "max_tokens": 2} for i in range(4)]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+
+    cancelled = redis_env.run("spec-cancel", batch)
+    assert cancelled.returncode == 0
+    assert (
+        cancelled.stderr == f"batch {batch}: cancelled 4 waiting line(s); 0 running will finish\n"
+    )
+    assert redis_env.conn.llen(f"rq:queue:{redis_env.keys.queue_name('demo')}") == 0
+    state = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
+    assert state["status"] == "cancelled"
+    assert state["request_counts"] == {
+        "total": 4,
+        "queued": 0,
+        "running": 0,
+        "completed": 0,
+        "failed": 4,
+    }
+    errors = read_jsonl(_collect(redis_env, batch, tmp_path / "c.jsonl"))
+    assert [(e["custom_id"], e["error"]["code"], e["error"]["line"]) for e in errors] == [
+        (f"r{i}", "cancelled", i + 1) for i in range(4)
+    ]
+
+    retried = redis_env.run("spec-retry", batch)
+    assert retried.stderr == f"batch {batch}: re-queued 4 failed line(s)\n"
+    assert start_worker("--burst", *PAIR_ARGS).wait(timeout=120) == 0
+    state = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
+    assert state["status"] == "completed"
+    assert state["request_counts"]["completed"] == 4 and state["request_counts"]["failed"] == 0
+    results = read_jsonl(
+        _collect(redis_env, batch, tmp_path / "r.jsonl", "--order", "completion", "--delete")
+    )
+    assert sorted(r["custom_id"] for r in results) == ["r0", "r1", "r2", "r3"]
+    assert not list(redis_env.conn.scan_iter(match=f"{redis_env.keys.batch(batch)}*"))
+    assert not redis_env.run("spec-status", batch).returncode == 0
+
+
+def test_the_worker_rechecks_the_context_and_jobs_for_other_models_wait(
+    redis_env, start_worker, tmp_path
+):
+    """The producer's check is a lower bound (no chat template); the worker's is exact."""
+    from tokenizers import Tokenizer
+
+    from producer.tokencount import DEMO_TARGET_DIR, ContextChecker
+
+    context = ContextChecker(None, redis_env.keys, "demo")._model("demo").context_length
+    tok = Tokenizer.from_file(str(DEMO_TARGET_DIR / "tokenizer.json"))
+    content = "tea " * 20
+    n = len(tok.encode(content, add_special_tokens=False).ids)
+    lines = [
+        {
+            "custom_id": "tight",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": context - n,
+        },
+        {"custom_id": "elsewhere", "prompt": "x", "max_tokens": 2, "model": "other-model"},
+    ]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id()
+    submitted = redis_env.run("spec-submit", jobs, "--batch-id", batch)
+    assert submitted.returncode == 0, submitted.stderr
+    assert "no worker has served model 'other-model' yet" in submitted.stderr
+    assert start_worker("--burst", *PAIR_ARGS).wait(timeout=120) == 0
+
+    (error,) = [json.loads(v) for v in redis_env.conn.hvals(redis_env.keys.errors(batch))]
+    assert error["custom_id"] == "tight" and error["error"]["code"] == "context_length_exceeded"
+    assert error["error"]["message"].startswith("messages: prompt (")
+    state = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
+    assert state["request_counts"] == {
+        "total": 2,
+        "queued": 1,
+        "running": 0,
+        "completed": 0,
+        "failed": 1,
+    }
+    other = Queue(redis_env.keys.queue_name("other-model"), connection=redis_env.conn)
+    assert other.job_ids == [f"{batch}-2"]  # never taken by the demo worker
+
+
+def _wait_running(redis_env, batch: str, timeout: float = 60) -> None:
+    registry = StartedJobRegistry(redis_env.keys.queue_name("demo"), connection=redis_env.conn)
+    deadline = time.monotonic() + timeout
+    while not any(j.startswith(batch) for j in registry.get_job_ids(cleanup=False)):
+        assert time.monotonic() < deadline, "no job started"
+        time.sleep(0.02)
+
+
+LONG = {
+    "prompt": "def parse(text):\n    for line in text.splitlines():",
+    "max_tokens": 200,
+    "temperature": 0.0,
+}
+
+
+@pytest.mark.parametrize(
+    "signals,exit_code", [(1, 0), (2, 128 + signal.SIGTERM)], ids=["warm", "cold"]
+)
+def test_sigterm_finishes_or_puts_back_the_running_job(
+    redis_env, start_worker, tmp_path, signals, exit_code
+):
+    lines = [{"custom_id": f"r{i}", **LONG} for i in range(3)]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    worker = start_worker(*PAIR_ARGS)
+    _wait_running(redis_env, batch)
+    for _ in range(signals):
+        worker.signal(signal.SIGTERM)
+        time.sleep(0.1)
+    assert worker.wait(timeout=120) == exit_code, worker.log
+
+    conn, keys = redis_env.conn, redis_env.keys
+    done = conn.hlen(keys.results(batch))
+    queued = conn.lrange(f"rq:queue:{keys.queue_name('demo')}", 0, -1)
+    running = StartedJobRegistry(keys.queue_name("demo"), connection=conn).get_job_ids(
+        cleanup=False
+    )
+    assert running == []  # nothing left half-started
+    assert done + len(queued) == 3  # nothing lost
+    if signals == 1:
+        assert done >= 1  # the running job was finished, not dropped
+    else:
+        assert f"put back on {keys.queue_name('demo')}" in worker.log
+        assert queued[0].decode().startswith(batch)  # at the front, for the next worker
+    assert start_worker("--burst", *PAIR_ARGS).wait(timeout=300) == 0
+    results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [r["custom_id"] for r in results] == ["r0", "r1", "r2"]
