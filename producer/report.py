@@ -242,22 +242,30 @@ def summarize(lines: Iterable[Line]) -> Summary:
 
 def throughput_series(lines: list[Line], bins: int = TIME_BINS) -> dict[str, list[tuple]]:
     """Completion tokens/s over time, per worker: each request's tokens are spread
-    evenly over [created - generation time, created], then summed per time bin.
+    evenly over [end - generation time, end], then summed per time bin (bins tile the
+    batch's span exactly, so tokens are conserved). `end` is `created`, or its
+    midpoint `created + 0.5` when every `created` is in whole seconds (truncated), and
+    then bins are at least 2 s wide: narrower ones would show rounding, not load.
     Returns {worker: [(seconds since the first start, tokens/s), ...]}."""
-    spans = [
-        (ln.worker, ln.created - ln.generation_ms / 1000, ln.created, ln.completion_tokens)
-        for ln in lines
-        if ln.ok and ln.created is not None
-    ]
-    if not spans:
+    timed = [ln for ln in lines if ln.ok and ln.created is not None]
+    if not timed:
         return {}
+    whole_seconds = all(ln.created == int(ln.created) for ln in timed)
+    shift = 0.5 if whole_seconds else 0.0
+    spans = [
+        (
+            ln.worker,
+            ln.created + shift - ln.generation_ms / 1000,
+            ln.created + shift,
+            ln.completion_tokens,
+        )
+        for ln in timed
+    ]
     t0 = min(start for _, start, _, _ in spans)
-    t1 = max(end for _, _, end, _ in spans)
-    width = max(t1 - t0, 1e-3) / bins
-    if all(ln.created == int(ln.created) for ln in lines if ln.ok and ln.created is not None):
-        # `created` is in whole seconds: bins shorter than 2 s would show rounding, not load.
-        width = max(width, 2.0)
-        bins = max(1, math.ceil((t1 - t0) / width - 1e-9))
+    span = max(max(end for _, _, end, _ in spans) - t0, 1e-3)
+    if whole_seconds:
+        bins = max(1, min(bins, int(span // 2.0)))
+    width = span / bins
     out: dict[str, list[float]] = defaultdict(lambda: [0.0] * bins)
     for worker, start, end, tokens in spans:
         row = out[worker]
@@ -269,11 +277,8 @@ def throughput_series(lines: list[Line], bins: int = TIME_BINS) -> dict[str, lis
             lo, hi = max(start, t0 + b * width), min(end, t0 + (b + 1) * width)
             if hi > lo:
                 row[b] += rate * (hi - lo) / width
-    last = (t1 - t0) - (bins - 1) * width  # the last bin may end past the last request
-    scale = [1.0] * (bins - 1) + [width / last if last > 1e-9 else 1.0]
     return {
-        w: [((b + 0.5) * width, v * scale[b]) for b, v in enumerate(row)]
-        for w, row in sorted(out.items())
+        w: [((b + 0.5) * width, v) for b, v in enumerate(row)] for w, row in sorted(out.items())
     }
 
 
@@ -351,13 +356,16 @@ def line_chart(kind, title, xlabel, ylabel, series: dict[str, list[tuple]]) -> s
     points = [p for pts in series.values() for p in pts]
     if not points:
         return _empty(kind, title, "no timed result lines")
-    xhi = max(x for x, _ in points)
+    xhi = max(x for x, _ in points) + min(x for x, _ in points)  # bin centres: end of last bin
     yhi = max(max(y for _, y in points), 1e-9) * 1.1
     body, sx, sy = _axes(0, xhi, 0, yhi)
     for i, (name, pts) in enumerate(series.items()):
         color = PALETTE[i % len(PALETTE)]
         path = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in pts)
         body += f'<polyline class="series" points="{path}" fill="none" stroke="{color}" stroke-width="2"/>'
+        body += "".join(
+            f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{color}"/>' for x, y in pts
+        )
         body += (
             f'<rect x="{LEFT + 10}" y="{TOP + 8 + 16 * i}" width="10" height="10" fill="{color}"/>'
             f'<text x="{LEFT + 24}" y="{TOP + 17 + 16 * i}">{html.escape(name)}</text>'

@@ -180,6 +180,18 @@ def test_throughput_is_spread_over_each_request_and_split_by_worker():
     }
 
 
+def test_throughput_conserves_tokens_with_whole_second_timestamps(files):
+    results, _, _ = files
+    lines = list(read_jsonl(results))
+    series = throughput_series(lines)
+    (points,) = series.values()
+    width = 2 * points[0][0]
+    assert width >= 2.0  # `created` is whole seconds: no bin narrower than its rounding
+    assert sum(v for _, v in points) * width == pytest.approx(
+        sum(ln.completion_tokens for ln in lines)
+    )
+
+
 def _run(args: list[str]):
     return CliRunner().invoke(main, args, catch_exceptions=False)
 
