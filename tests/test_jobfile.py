@@ -464,3 +464,13 @@ def test_summed_counters_match_the_engine_arithmetic():
             fields[name] = fields.get(name, 0) + n
     a.merge(b)
     assert spec_summary({k: str(v) for k, v in fields.items()}) == a.to_dict()
+
+
+def test_the_example_files_are_valid():
+    from pathlib import Path
+
+    examples = sorted((Path(__file__).parent.parent / "examples").glob("*.jsonl"))
+    assert examples
+    for path in examples:
+        items = list(validate_file(str(path)))
+        assert items and not [i.format(path.name) for i in items if isinstance(i, LineError)]
