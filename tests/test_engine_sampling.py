@@ -193,3 +193,78 @@ def test_same_seed_same_output_whatever_ran_before(small_vocab_pair):
         run(100 + other, 2)  # unrelated work in between
     assert run(7, 3) == first
     assert engine.GenerationRequest().drafter == "model"
+
+
+def draw_batched(pair: ModelPair, n: int, seed0: int, rows: int = 100) -> dict:
+    """Like draw(), through the batched decoder: rows join as others finish."""
+    from engine.batch import BatchDecoder
+
+    setups = [("model", 1), ("model", 2), ("model", 3), ("lookup", 2), ("none", 1)]
+    batch = BatchDecoder(pair)
+    out: dict[int, list[int]] = {}
+    counts: dict[tuple[int, ...], int] = {}
+    started = 0
+    while started < n or out:
+        while started < n and len(out) < rows:
+            drafter, k = setups[started % len(setups)]
+            batch.add(
+                started,
+                PROMPT,
+                PARAMS,
+                seed=seed0 + started,
+                drafter=drafter,
+                num_draft_tokens=k,
+                max_tokens=LENGTH,
+            )
+            out[started] = []
+            started += 1
+        for key, step in batch.step().items():
+            out[key].extend(step.tokens)
+            if len(out[key]) >= LENGTH:
+                seq = tuple(out.pop(key)[:LENGTH])
+                counts[seq] = counts.get(seq, 0) + 1
+                batch.remove(key)
+    return counts
+
+
+@pytest.mark.slow
+def test_batched_speculative_sampling_matches_target_law(small_vocab_pair):
+    law = exact_law(small_vocab_pair)
+    counts = draw_batched(small_vocab_pair, N_SEQUENCES, seed0=3_000_000)
+    assert chi_square_p(law, counts) > P_FAIL
+
+
+def test_batched_chi_square_catches_a_broken_residual(small_vocab_pair, monkeypatch):
+    monkeypatch.setattr(core, "accept_sampled", _resample_from_p)
+    counts = draw_batched(small_vocab_pair, N_MUTANT, seed0=4_000_000)
+    assert chi_square_p(exact_law(small_vocab_pair), counts) < P_FAIL
+
+
+def test_batched_rows_draw_what_single_rows_draw(small_vocab_pair):
+    """Same seed, same tokens, alone or in a batch: randomness is keyed by position."""
+    single = {}
+    for i in range(40):
+        dec = SpeculativeDecoder(
+            small_vocab_pair,
+            PROMPT,
+            PARAMS,
+            seed=i,
+            drafter="model",
+            num_draft_tokens=1 + i % 3,
+            max_tokens=8,
+        )
+        single[i] = [t for s in dec.steps() for t in s.tokens][:8]
+    from engine.batch import BatchDecoder
+
+    batch = BatchDecoder(small_vocab_pair)
+    got = {i: [] for i in range(40)}
+    for i in range(40):
+        batch.add(
+            i, PROMPT, PARAMS, seed=i, drafter="model", num_draft_tokens=1 + i % 3, max_tokens=8
+        )
+    while len(batch):
+        for key, step in batch.step().items():
+            got[key].extend(step.tokens)
+            if len(got[key]) >= 8:
+                batch.remove(key)
+    assert {k: v[:8] for k, v in got.items()} == single
