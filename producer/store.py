@@ -47,6 +47,7 @@ local done = tonumber(redis.call('HGET', KEYS[1], 'completed') or '0')
 if done >= redis.call('ZCARD', KEYS[7]) then
   redis.call('HSETNX', KEYS[1], 'completed_at', ARGV[4])
 end
+if worker ~= '' then redis.call('EXPIRE', KEYS[6], 604800) end  -- worker stats: a week idle
 local ttl = tonumber(ARGV[6])
 if ttl > 0 then
   for _, i in ipairs({1, 2, 3, 4, 5, 7, 8}) do redis.call('EXPIRE', KEYS[i], ttl) end

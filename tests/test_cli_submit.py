@@ -207,6 +207,7 @@ def test_unreachable_redis_is_one_line_with_the_password_redacted(tmp_path, monk
         ("spec-collect", ["b", "-o", str(tmp_path / "r.jsonl")]),
         ("spec-retry", ["b"]),
         ("spec-cancel", ["b"]),
+        ("spec-worker", ["--burst"]),
     ]:
         from conftest import script
 

@@ -130,12 +130,13 @@ class SpecWorker(SimpleWorker):
     serializer (worker.cli does)."""
 
     def __init__(self, *args, refused_key: str, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.refused_key = refused_key
+        # Set before RQ's __init__, which reads dequeue_timeout.
         self.heartbeat_interval = config.heartbeat_interval_s()
         self.heartbeat_ttl = config.heartbeat_ttl_s()
+        self.refused_key = refused_key
         self.cold_signum: int | None = None
         self._last_reap = 0.0
+        super().__init__(*args, **kwargs)
 
     # -- running only our job ---------------------------------------------------------
 
@@ -212,6 +213,17 @@ class SpecWorker(SimpleWorker):
                 log.warning("reaper on %s failed: %s", queue.name, exc)
             finally:
                 self.connection.delete(lock)
+
+    @property
+    def dequeue_timeout(self) -> int:
+        # An idle worker wakes at least once per heartbeat interval, to reap.
+        return max(1, min(self.worker_ttl - 15, int(self.heartbeat_interval)))
+
+    @property
+    def should_run_maintenance_tasks(self) -> bool:
+        # RQ asks this on every pass of its idle loop: the place to reap when due.
+        self.reap()
+        return super().should_run_maintenance_tasks
 
     def run_maintenance_tasks(self):
         super().run_maintenance_tasks()
