@@ -1,0 +1,128 @@
+"""Lines and counters in Redis, without a model: written once per (batch, line) however
+often a job runs, counters summed exactly, collect streams in chunks and in either order."""
+
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from producer import batches, cli, config, store
+from producer.lines import dumps, error_line
+
+
+def _submit_lines(redis_env, tmp_path, n: int) -> str:
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(
+        "".join(
+            json.dumps({"custom_id": f"r{i}", "prompt": "x", "max_tokens": 2}) + "\n"
+            for i in range(n)
+        )
+    )
+    batch = redis_env.batch_id()
+    result = CliRunner().invoke(cli.submit, [str(path), "--batch-id", batch])
+    assert result.exit_code == 0, result.stderr
+    return batch
+
+
+def _fake_result(batch: str, i: int) -> str:
+    return dumps(
+        {
+            "id": f"{batch}-{i + 1}",
+            "custom_id": f"r{i}",
+            "response": {"status_code": 200},
+            "error": None,
+        }
+    )
+
+
+def test_a_line_is_stored_once_with_its_counters_even_if_written_twice(redis_env, tmp_path):
+    batch = _submit_lines(redis_env, tmp_path, 2)
+    conn, keys = redis_env.conn, redis_env.keys
+    counters = {
+        "prompt_tokens": 3,
+        "completion_tokens": 5,
+        "busy_ms": 40,
+        "sd:num_spec_steps": 2,
+        "sd:hist:1": 2,
+    }
+    assert store.store_line(
+        conn, keys, batch, "c:r0", _fake_result(batch, 0), ok=True, counters=counters, worker="w1"
+    )
+    assert not store.store_line(
+        conn, keys, batch, "c:r0", _fake_result(batch, 0), ok=True, counters=counters, worker="w2"
+    )
+    failed = dumps(error_line(batch, 1, "r0", "timeout", "late"))
+    assert not store.store_line(conn, keys, batch, "c:r0", failed, ok=False, worker="w2")
+    meta = {k.decode(): v.decode() for k, v in conn.hgetall(keys.batch(batch)).items()}
+    assert (meta["completed"], meta["completion_tokens"], meta["sd:num_spec_steps"]) == (
+        "1",
+        "5",
+        "2",
+    )
+    assert "failed" not in meta and "completed_at" not in meta
+    assert conn.lrange(keys.done(batch), 0, -1) == [b"c:r0"]
+    assert conn.hget(keys.worker("w1"), "completed") == b"1" and not conn.exists(keys.worker("w2"))
+    workers = batches.status(conn, keys, batch)["workers"]
+    assert workers == [
+        {"name": "w1", "model": None, "completed": 1, "failed": 0, "tokens_per_second": 125.0}
+    ]
+
+    assert store.store_line(conn, keys, batch, "c:r1", failed, ok=False, worker="w2")
+    state = batches.status(conn, keys, batch)
+    assert state["status"] == "completed" and state["completed_at"] is not None
+    assert state["request_counts"] == {
+        "total": 2,
+        "queued": 0,
+        "running": 0,
+        "completed": 1,
+        "failed": 1,
+    }
+
+
+def test_a_job_that_runs_again_does_not_generate_again(redis_env, tmp_path):
+    """run_request returns before touching the model when its line is already stored."""
+    import pytest
+
+    pytest.importorskip("mlx")
+    from worker import jobs
+
+    batch = _submit_lines(redis_env, tmp_path, 1)
+    conn, keys = redis_env.conn, redis_env.keys
+    store.store_line(conn, keys, batch, "c:r0", _fake_result(batch, 0), ok=True, worker="w1")
+    jobs.set_context(
+        jobs.WorkerContext(pair=None, alias="demo", worker_name="w2", conn=conn, keys=keys)
+    )
+    try:
+        assert jobs.run_request(batch, "c:r0") == {"stored": False, "reason": "already has a line"}
+    finally:
+        jobs.set_context(None)
+
+
+def test_collect_streams_in_chunks_in_input_or_completion_order(redis_env, tmp_path, monkeypatch):
+    monkeypatch.setattr(config, "CHUNK_LINES", 3)
+    batch = _submit_lines(redis_env, tmp_path, 8)
+    conn, keys = redis_env.conn, redis_env.keys
+    finish_order = [5, 0, 7, 2, 1]
+    for i in finish_order:
+        store.store_line(conn, keys, batch, f"c:r{i}", _fake_result(batch, i), ok=True)
+    out = tmp_path / "out.jsonl"
+    counts = batches.collect(conn, keys, batch, str(out))
+    assert counts == {"results": 5, "errors": 0, "pending": 3}
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [
+        "r0",
+        "r1",
+        "r2",
+        "r5",
+        "r7",
+    ]
+    batches.collect(conn, keys, batch, str(out), order="completion")
+    assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [
+        f"r{i}" for i in finish_order
+    ]
+    result = CliRunner().invoke(cli.collect, [batch, "-o", str(out), "--delete"])
+    assert result.exit_code == 1
+    assert (
+        result.stderr
+        == f"spec-collect: error: batch {batch} is not finished: collect without --delete, or wait\n"
+    )
