@@ -69,7 +69,7 @@ def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
     running = len(running_jobs(conn, keys, batch_id, models_of(meta)))
     done = completed + failed
     queued = max(0, total - done - running)
-    finished = total > 0 and done >= total
+    finished = total > 0 and done >= total and not conn.exists(keys.submitting(batch_id))
     if meta.get("cancelled"):
         state = "cancelled"
     elif finished:

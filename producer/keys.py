@@ -13,6 +13,7 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
     P:batch:B:errors     hash  line key -> error line (JSON), written once
     P:batch:B:done       list  line keys in the order their line was written
     P:batch:B:workers    hash  "<counter>:<worker>" -> per-worker counters of this batch
+    P:batch:B:submitting string set (with a TTL) while spec-submit is still enqueueing
     P:batches            zset  batch id -> created_at
     P:model:A            hash  a served alias: context_length, tokenizer_json, updated_at
     P:worker:W           hash  a worker's lifetime counters and model
@@ -69,6 +70,9 @@ class Keys:
     def batch_workers(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}:workers"
 
+    def submitting(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:submitting"
+
     def batch_keys(self, batch_id: str) -> list[str]:
         """Every key of a batch (for TTLs and deletion)."""
         return [
@@ -79,6 +83,7 @@ class Keys:
             self.errors(batch_id),
             self.done(batch_id),
             self.batch_workers(batch_id),
+            self.submitting(batch_id),
         ]
 
     @property

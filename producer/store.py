@@ -15,7 +15,7 @@ from producer.keys import Keys
 
 _STORE = """
 -- KEYS: 1 meta, 2 results, 3 errors, 4 done, 5 batch workers, 6 worker stats,
---       7 order, 8 requests
+--       7 order, 8 requests, 9 submitting flag
 -- ARGV: 1 line key, 2 'result'|'error', 3 line JSON, 4 now, 5 worker ('' = none),
 --       6 ttl seconds (0 = none), 7.. counter name / increment pairs
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
@@ -44,7 +44,7 @@ for i = 7, #ARGV, 2 do
 end
 local done = tonumber(redis.call('HGET', KEYS[1], 'completed') or '0')
   + tonumber(redis.call('HGET', KEYS[1], 'failed') or '0')
-if done >= redis.call('ZCARD', KEYS[7]) then
+if done >= redis.call('ZCARD', KEYS[7]) and redis.call('EXISTS', KEYS[9]) == 0 then
   redis.call('HSETNX', KEYS[1], 'completed_at', ARGV[4])
 end
 if worker ~= '' then redis.call('EXPIRE', KEYS[6], 604800) end  -- worker stats: a week idle
@@ -156,6 +156,7 @@ def store_line(
         keys.worker(worker or "-"),
         keys.order(batch_id),
         keys.requests(batch_id),
+        keys.submitting(batch_id),
     ]
     return bool(conn.eval(_STORE, len(script_keys), *script_keys, *args))
 

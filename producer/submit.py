@@ -30,6 +30,10 @@ JOB_FUNCTION = "worker.jobs.run_request"
 FAILURE_CALLBACK = "worker.jobs.on_job_failure"
 
 
+#: While a file is being enqueued the batch is flagged for this long (refreshed per chunk).
+SUBMITTING_TTL_S = 600
+
+
 class SubmitError(Exception):
     """The file cannot be submitted as asked; the message says why."""
 
@@ -101,15 +105,31 @@ def enqueue_file(
     report = SubmitReport(batch_id)
     meta = keys.batch(batch_id)
     created = time.time()
+    flag = keys.submitting(batch_id)  # the batch cannot look finished while this is set
     with conn.pipeline() as pipe:
+        pipe.set(flag, 1, ex=SUBMITTING_TTL_S)
         pipe.hsetnx(meta, "created_at", f"{created:.3f}")
         pipe.hset(meta, "source", path.rsplit("/", 1)[-1])
         pipe.zadd(keys.batches, {batch_id: created}, nx=True)
         pipe.execute()
     queues: dict[str, Queue] = {}
-    for chunk in _chunks(validate_file(path, model_override, check)):
-        _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report)
+    try:
+        for chunk in _chunks(validate_file(path, model_override, check)):
+            conn.expire(flag, SUBMITTING_TTL_S)
+            _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report)
+    finally:
+        conn.delete(flag)
+    _mark_if_finished(conn, keys, batch_id)
     return report
+
+
+def _mark_if_finished(conn: Redis, keys: Keys, batch_id: str) -> None:
+    """Set completed_at when every line already has its line (e.g. a re-submission of a
+    finished batch, or lines finished while later chunks were still being enqueued)."""
+    meta = keys.batch(batch_id)
+    completed, failed = conn.hmget(meta, "completed", "failed")
+    if int(completed or 0) + int(failed or 0) >= conn.zcard(keys.order(batch_id)):
+        conn.hsetnx(meta, "completed_at", f"{time.time():.3f}")
 
 
 def _chunks(items: Iterator[JobLine | LineError]) -> Iterator[list[JobLine | list[LineError]]]:
