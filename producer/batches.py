@@ -248,11 +248,12 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
     """Queue again every line that ended in an error line and has a request (lines
     rejected at submit time have none: fix and re-submit those). Returns the count."""
     _meta(conn, keys, batch_id)  # raises for an unknown batch
-    retryable = [
-        _text(k)
-        for k in conn.hkeys(keys.errors(batch_id))
-        if conn.hexists(keys.requests(batch_id), k)
-    ]
+    failed = [_text(k) for k in conn.hkeys(keys.errors(batch_id))]
+    retryable = []
+    for i in range(0, len(failed), config.CHUNK_LINES):
+        chunk = failed[i : i + config.CHUNK_LINES]
+        found = conn.hmget(keys.requests(batch_id), chunk)
+        retryable += [k for k, record in zip(chunk, found, strict=True) if record is not None]
     conn.hdel(keys.batch(batch_id), "cancelled")
     queues: dict[str, Queue] = {}
     for i in range(0, len(retryable), config.CHUNK_LINES):

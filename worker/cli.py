@@ -146,6 +146,7 @@ def _register(conn, keys: Keys, pair, alias: str, name: str) -> None:
             "started_at": f"{time.time():.3f}",
         },
     )
+    conn.expire(keys.worker(name), 7 * 24 * 3600)  # as store_line does after each line
 
 
 def _tokenizer_json(pair) -> str | None:
