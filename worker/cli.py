@@ -116,12 +116,28 @@ def worker(redis_url, target, draft, alias, burst, max_jobs, name, log_level):
         worker_ttl=60,
         maintenance_interval=30,
     )
+    crash = _CrashWatch()
+    logging.getLogger("rq.worker").addFilter(crash)
     try:
         spec_worker.work(burst=burst, max_jobs=max_jobs, logging_level=log_level.upper())
     finally:
         set_context(None)
     if spec_worker.cold_signum is not None:
         sys.exit(128 + spec_worker.cold_signum)
+    if crash.message:
+        _fail("spec-worker", crash.message)
+
+
+class _CrashWatch(logging.Filter):
+    """Notices RQ's work loop giving up ("..., quitting"): RQ then returns normally, but
+    the process must not exit 0 as if its queue were done."""
+
+    message: str | None = None
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.ERROR and "quitting" in record.getMessage():
+            self.message = record.getMessage()
+        return True
 
 
 def _register(conn, keys: Keys, pair, alias: str, name: str) -> None:
