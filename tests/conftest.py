@@ -29,9 +29,11 @@ BIN = Path(sys.executable).parent
 #: Queue and CLI tests run on the bundled demo pair. SPEC_TEST_PAIR="TARGET_DIR,DRAFT_DIR"
 #: runs them on another pair (for example while the demo pair is being retrained).
 PAIR_ARGS: list[str] = []
+PAIR_TARGET_DIR = Path(__file__).resolve().parent.parent / "engine" / "demo" / "target"
 if os.environ.get("SPEC_TEST_PAIR"):
     _target, _draft = os.environ["SPEC_TEST_PAIR"].split(",")
     PAIR_ARGS = ["--target", _target, "--draft", _draft, "--alias", "demo"]
+    PAIR_TARGET_DIR = Path(_target)
 
 
 def script(name: str) -> str:
@@ -123,6 +125,39 @@ def redis_env(redis_url, monkeypatch) -> RedisEnv:
         for key in conn.scan_iter(match=pattern, count=1000):
             conn.delete(key)
     conn.close()
+
+
+@pytest.fixture(scope="session")
+def slow_pair_args(tmp_path_factory) -> list[str]:
+    """spec-worker arguments for a random pair slow enough (tens of ms per token, and
+    no early end of text) that a job outlives signals and heartbeat TTLs in tests of
+    worker liveness, whatever the demo pair's speed. Served under the alias "demo"."""
+    import json
+
+    from tiny_models import build_llama, build_tokenizer
+
+    root = tmp_path_factory.mktemp("slow-pair")
+    build_tokenizer(root / "tok")
+    vocab = len(json.loads((root / "tok" / "tokenizer.json").read_text())["model"]["vocab"])
+    build_llama(
+        root / "target",
+        vocab_size=vocab,
+        hidden=512,
+        layers=6,
+        seed=1,
+        scale=3.0,
+        tokenizer_from=root / "tok",
+    )
+    build_llama(
+        root / "draft",
+        vocab_size=vocab,
+        hidden=32,
+        layers=1,
+        seed=2,
+        scale=3.0,
+        tokenizer_from=root / "tok",
+    )
+    return ["--target", str(root / "target"), "--draft", str(root / "draft"), "--alias", "demo"]
 
 
 class WorkerProcess:
