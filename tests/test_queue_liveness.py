@@ -42,32 +42,34 @@ def test_a_long_job_keeps_its_heartbeat_and_runs_once(
     assert "Abandoned" not in worker.log and "enqueued for retry" not in worker.log
 
 
-def test_a_killed_workers_job_is_picked_up_by_another(
+def test_a_killed_workers_job_is_requeued_even_while_the_others_are_busy(
     redis_env, start_worker, slow_pair_args, tmp_path
 ):
     redis_env.env.update(HEARTBEAT)
-    jobs = write_jobs(tmp_path / "jobs.jsonl", [{"custom_id": "long", **LONG}])
+    lines = [{"custom_id": "a", **LONG}, {"custom_id": "b", **LONG}]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     doomed = start_worker(*slow_pair_args)
-    _wait_running(redis_env, batch)
-    rescuer = start_worker(*slow_pair_args)
-    rescuer.wait_for_log("Listening on", timeout=60)
+    _wait_running(redis_env, batch)  # doomed runs a
+    survivor = start_worker(*slow_pair_args)
+    survivor.wait_for_log(f"({batch}-2)", timeout=60)  # survivor busy with b
     doomed.signal(signal.SIGKILL)
-    killed_at = time.monotonic()
-    deadline = killed_at + 60
-    while not redis_env.conn.hexists(redis_env.keys.results(batch), "c:long"):
-        assert time.monotonic() < deadline, rescuer.log
+    assert doomed.wait(timeout=10) == -signal.SIGKILL
+    # Re-queued through the 1 s heartbeat expiry by the busy survivor's heartbeat thread,
+    # long before the job timeout (minutes) and before the survivor is free again.
+    deadline = time.monotonic() + 10
+    while Job.fetch(f"{batch}-1", connection=redis_env.conn).get_status() != "queued":
+        assert time.monotonic() < deadline, survivor.log
+        time.sleep(0.05)
+    assert not redis_env.conn.hexists(redis_env.keys.results(batch), "c:b")  # still busy
+    job = Job.fetch(f"{batch}-1", connection=redis_env.conn)
+    assert job.retries_left == 1  # one of its two retries used
+    deadline = time.monotonic() + 120
+    while redis_env.conn.hlen(redis_env.keys.results(batch)) < 2:
+        assert time.monotonic() < deadline, survivor.log
         time.sleep(0.1)
-    # Picked up through the 1 s heartbeat expiry, far below the job timeout (minutes).
-    job = (
-        Job.fetch(f"{batch}-1", connection=redis_env.conn)
-        if redis_env.conn.exists(f"rq:job:{batch}-1")
-        else None
-    )
-    assert job is None or job.get_status() != "started"
-    assert f"{batch}-1" in rescuer.log
-    rescuer.signal(signal.SIGTERM)
-    assert rescuer.wait(timeout=60) == 0
-    (result,) = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
-    assert result["custom_id"] == "long" and result["error"] is None
+    survivor.signal(signal.SIGTERM)
+    assert survivor.wait(timeout=60) == 0
+    results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [(r["custom_id"], r["error"]) for r in results] == [("a", None), ("b", None)]

@@ -11,8 +11,10 @@ forking after Metal is initialised crashes on macOS) with these changes:
 - Heartbeats: a thread refreshes the job's liveness every HEARTBEAT_INTERVAL_S while
   it runs, and liveness lasts HEARTBEAT_TTL_S, so a long job is not declared
   abandoned and a dead worker's job is noticed within about HEARTBEAT_TTL_S.
-- Reaper: every worker cleans expired started jobs of its queue between jobs and
-  while idle (RQ alone only does it while some worker is idle).
+- Reaper: every worker cleans expired started jobs of its queue between jobs, while
+  idle, and from its heartbeat thread while busy (RQ alone only does it while some
+  worker is idle), so a dead worker's job is re-queued even when every other worker
+  is busy.
 - Signals: the first SIGTERM/SIGINT finishes the current job, then exits 0; a second
   one stops now and puts the job back at the front of its queue (retries untouched)
   for another worker, exiting 128 + the signal number.
@@ -30,6 +32,7 @@ import time
 from rq import SimpleWorker
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.timeouts import BaseDeathPenalty
 
 from producer import config
 from producer.submit import FAILURE_CALLBACK, JOB_FUNCTION
@@ -98,6 +101,17 @@ def vet(job: Job) -> str | None:
     return None
 
 
+class _NoDeathPenalty(BaseDeathPenalty):
+    """No time limit: the reaper's only callback is our own short Redis write, and
+    RQ's SIGALRM-based limit cannot be armed outside the main thread."""
+
+    def setup_death_penalty(self) -> None:
+        pass
+
+    def cancel_death_penalty(self) -> None:
+        pass
+
+
 class _Heartbeat:
     """Refreshes a running job's liveness from a side thread."""
 
@@ -121,6 +135,7 @@ class _Heartbeat:
                 continue
             try:
                 self._worker.maintain_heartbeats(self._job, execution)
+                self._worker.reap()
             except Exception as exc:  # Redis hiccup: try again next interval
                 log.warning("heartbeat for job %s failed: %s", self._job.id, exc)
 
@@ -208,6 +223,7 @@ class SpecWorker(SimpleWorker):
                     connection=self.connection,
                     job_class=SafeJob,
                     serializer=self.serializer,
+                    death_penalty_class=_NoDeathPenalty,
                 ).cleanup()
             except Exception as exc:
                 log.warning("reaper on %s failed: %s", queue.name, exc)
