@@ -417,3 +417,26 @@ def test_sigterm_finishes_or_puts_back_the_running_job(
     assert start_worker("--burst", *slow_pair_args).wait(timeout=300) == 0
     results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
     assert [r["custom_id"] for r in results] == ["r0", "r1"]
+
+
+def test_a_poison_request_is_tried_three_times_then_becomes_an_error_line(
+    redis_env, start_worker, tmp_path
+):
+    lines = [
+        {"custom_id": "poison", "prompt": "x", "max_tokens": 2},
+        {"custom_id": "fine", "prompt": "x", "max_tokens": 2},
+    ]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    redis_env.conn.hset(redis_env.keys.requests(batch), "c:poison", "{not json")  # breaks every run
+    worker = start_worker("--burst", *PAIR_ARGS)
+    assert worker.wait(timeout=120) == 0, worker.log  # the worker kept serving
+    assert worker.log.count(f"({batch}-1)") == 3  # dequeued three times: two retries
+    errors = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [(x["custom_id"], x["error"] and x["error"]["code"]) for x in errors] == [
+        ("poison", "internal_error"),
+        ("fine", None),
+    ]
+    assert errors[0]["error"]["message"].startswith("JSONDecodeError: ")
+    assert errors[0]["error"]["message"].endswith("(3 attempts)")

@@ -19,7 +19,7 @@ from redis import Redis
 from rq.exceptions import AbandonedJobError
 from rq.timeouts import JobTimeoutException
 
-from producer import store
+from producer import config, store
 from producer.jobfile import JobLine
 from producer.keys import Keys
 from producer.lines import dumps, error_line
@@ -116,11 +116,13 @@ def on_job_failure(job, connection: Redis, exc_type, exc_value, traceback) -> No
         return  # RQ runs it again
     batch_id, line_key = job.args
     keys = _context.keys if _context is not None else Keys.default()
-    record = connection.hget(keys.requests(batch_id), line_key)
-    if record is None:
-        return
-    line = JobLine.from_record(json.loads(record))
-    tries = f"{(job.retry_max or 0) + 1} attempt(s)"
+    if not connection.hexists(keys.requests(batch_id), line_key):
+        return  # the batch was deleted meanwhile
+    # The line number is in the job id and the custom_id in the line key, so even a
+    # request that cannot be read back gets its error line.
+    line = int(job.id.rsplit("-", 1)[1])
+    custom_id = line_key[2:] if line_key.startswith("c:") else None
+    tries = f"{config.JOB_RETRIES + 1} attempts"  # every job is enqueued with these retries
     if exc_type is not None and issubclass(exc_type, JobTimeoutException):
         code, message = "timeout", f"did not finish within {job.timeout} s ({tries})"
     elif exc_type is not None and issubclass(exc_type, AbandonedJobError):
@@ -134,9 +136,9 @@ def on_job_failure(job, connection: Redis, exc_type, exc_value, traceback) -> No
         keys,
         batch_id,
         line_key,
-        dumps(error_line(batch_id, line.line, line.custom_id, code, message)),
+        dumps(error_line(batch_id, line, custom_id, code, message)),
         ok=False,
         worker=worker,
         ttl_s=_context.ttl_s if _context is not None else 0,
     )
-    log.warning("%s line %d (%s): error %s: %s", batch_id, line.line, line.custom_id, code, message)
+    log.warning("%s line %d (%s): error %s: %s", batch_id, line, custom_id, code, message)
