@@ -1,0 +1,159 @@
+"""Speculative-decoding benchmark (GitHub issue 4): our engine against mlx-lm, one process.
+
+    python benchmarks/bench.py            # the full run (tens of minutes on a 2-core CPU)
+    python benchmarks/bench.py --quick    # a tiny version (< 1 minute), for tests
+
+Builds the benchmark pair (the demo target widened to ~100M parameters with MLP units
+that contribute exactly zero, plus a random "useless" draft), runs every contender on
+held-out code prompts in rotating round-robin order, and writes a markdown table of
+ratios and target verdicts to BENCHMARKS.md (its `bench` section) or --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import engine  # first: loads OpenBLAS before anything imports mlx
+
+# isort: split
+import mlx_lm
+
+from engine.adaptive import DraftController
+from engine.loading import DEMO_DRAFT, DEMO_TARGET, ModelPair
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import pairs  # noqa: E402
+import prompts as prompt_sets  # noqa: E402
+import report  # noqa: E402
+import sections  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class Settings:
+    total_params: int  # the widened target's size
+    prompts: int  # held-out code prompts for rows (a)-(e)
+    prompt_tokens: int
+    max_tokens: int
+    lookup_prompts: int  # row (f)
+    lookup_max_tokens: int
+    temp_prompts: int  # row (g)
+    temp_seeds: int
+    temp_k: int
+    temp_max_tokens: int
+    jobs: int  # row (h)
+    job_max_tokens: int
+    job_passes: int  # 2: every contender twice, order reversed the second time
+    cost_reps: int  # row (i): timed passes per size
+    mlx_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
+    our_ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
+
+
+FULL = Settings(100_000_000, 6, 64, 128, 4, 128, 4, 2, 4, 64, 32, 64, 2, 15)
+QUICK = Settings(6_000_000, 2, 32, 12, 2, 16, 2, 1, 4, 12, 8, 8, 1, 3)
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - START:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+START = time.monotonic()
+
+
+def load_pairs(args, s: Settings):
+    """The widened pair, the same target with the useless draft, and facts about them."""
+    target_dir, draft_dir = Path(args.target), Path(args.draft)
+    for role, d in (("target", target_dir), ("draft", draft_dir)):
+        if not (d / "config.json").exists():
+            raise SystemExit(
+                f"bench: no {role} model at {d} (the bundled demo pair is engine/demo/; "
+                f"pass --{role} DIR to use another)"
+            )
+    before, inter = pairs.widened_size(target_dir, s.total_params)
+    log(f"widening {target_dir} ({before:,} parameters) to intermediate_size {inter}")
+    widened = pairs.widen(target_dir, s.total_params, cache=args.cache)
+    useless = pairs.useless_draft(draft_dir, cache=args.cache)
+    log(f"loading {widened} + {draft_dir} (calibrating auto)")
+    pair = engine.load_pair(widened, draft_dir)
+    udraft, _ = mlx_lm.load(str(useless))
+    upair = ModelPair(
+        target=pair.target,
+        draft=udraft,
+        tokenizer=pair.tokenizer,
+        target_path=pair.target_path,
+        draft_path=str(useless),
+        context_length=pair.context_length,
+        target_vocab=pair.target_vocab,
+        draft_vocab=pair.draft_vocab,
+        name=pair.name + "+useless",
+    )
+    upair.controller = DraftController.for_pair(upair, calibrate=True)
+    info = pair.info()
+    if not info["blas"].startswith(("OpenBLAS", "Accelerate")):
+        log(f"WARNING: slow BLAS: {info['blas']}")
+    facts = {
+        "BLAS": info["blas"],
+        "target": f"{target_dir} widened to intermediate_size {inter}: "
+        f"{info['target_parameters']:,} parameters (from {before:,}), fp32",
+        "draft": f"{draft_dir}: {info['draft_parameters']:,} parameters",
+        "useless draft": "same shape, random weights (seed 1234)",
+    }
+    return pair, upair, target_dir, facts
+
+
+def check_function(pair, target_dir: Path, prompts: list) -> float:
+    original, _ = mlx_lm.load(str(target_dir))
+    diff = pairs.max_logit_difference(pair.target, original, [ids for _, ids in prompts])
+    del original
+    return diff
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny version (< 1 minute)")
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--target", default=str(DEMO_TARGET), help="model to widen")
+    parser.add_argument("--draft", default=str(DEMO_DRAFT))
+    parser.add_argument("--cache", type=Path, default=pairs.CACHE)
+    args = parser.parse_args(argv)
+    s = QUICK if args.quick else FULL
+
+    pair, upair, target_dir, facts = load_pairs(args, s)
+    tok = pair.tokenizer
+    code = prompt_sets.code_prompts(tok, max(s.prompts, s.temp_prompts), s.prompt_tokens)
+    diff = check_function(pair, target_dir, code[:3])
+    log(f"max |logit difference| widened vs original target: {diff:.2e}")
+    facts["max |logit difference| vs the original target (3 prompts, all positions)"] = (
+        f"{diff:.1e} ({'OK' if diff < 1e-4 else 'TOO LARGE'}: must be < 1e-4)"
+    )
+    facts["prompts"] = (
+        "functions from the stdlib files held out of the demo pair's training "
+        "(every 10th selected file, as in scripts/train_demo_pair.py)"
+    )
+
+    log("(a)-(e): greedy round robin")
+    greedy = sections.greedy(pair, upair, code[: s.prompts], s, log)
+    log("(f): prompt lookup")
+    lookup = sections.lookup(pair, prompt_sets.lookup_prompts(tok, s.lookup_prompts), s, log)
+    log("(g): acceptance at temperature 1")
+    accept = sections.temperature(pair, code[: s.temp_prompts], s, log)
+    log("(h): 32 jobs" if not args.quick else f"(h): {s.jobs} jobs")
+    jobs = sections.jobs(pair, prompt_sets.code_prompts(tok, s.jobs, s.prompt_tokens), s, log)
+    log("(i): cost model")
+    costs = sections.cost_model(pair, code[0][1], greedy, s)
+
+    md = sections.render(s, facts, greedy, lookup, accept, jobs, costs, args.quick)
+    print(md)
+    report.update_section(args.out, "bench", md)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

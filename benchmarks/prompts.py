@@ -1,0 +1,108 @@
+"""Held-out code prompts: functions from standard-library files the demo pair never saw.
+
+scripts/train_demo_pair.py picks the stdlib `.py` files in sorted order (skipping
+tests, GUI code and a few others, up to MAX_CORPUS_BYTES) and holds out every
+HOLDOUT_EVERY-th one. `heldout_files()` repeats that selection, so prompts come from
+files that were not in the demo pair's training text.
+"""
+
+from __future__ import annotations
+
+import ast
+import sysconfig
+import textwrap
+from pathlib import Path
+
+# Must match scripts/train_demo_pair.py (Settings.max_corpus_mb, holdout_every, SKIP_DIRS).
+MAX_CORPUS_BYTES = int(9.0 * 1024 * 1024)
+HOLDOUT_EVERY = 10
+SKIP_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "encodings",
+}
+
+
+def heldout_files() -> list[Path]:
+    """The stdlib files the demo pair held out of training, in sorted order."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    chosen, total = [], 0
+    for path in sorted(root.rglob("*.py")):
+        parts = set(path.relative_to(root).parts[:-1])
+        if parts & SKIP_DIRS or path.name.startswith("config-"):
+            continue
+        size = path.stat().st_size
+        if total + size > MAX_CORPUS_BYTES:
+            continue
+        chosen.append(path)
+        total += size
+    return [f for i, f in enumerate(chosen) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
+
+
+def functions(min_chars: int = 600, max_chars: int = 3000) -> list[tuple[str, str]]:
+    """(name, dedented source) of every function or method in the held-out files
+    whose source is between min_chars and max_chars long."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    out = []
+    for path in heldout_files():
+        text = path.read_text(encoding="utf-8", errors="replace")
+        try:
+            tree = ast.parse(text)
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            src = ast.get_source_segment(text, node, padded=True)
+            if src and min_chars <= len(src) <= max_chars:
+                rel = path.relative_to(root).as_posix()
+                out.append((f"{rel}:{node.lineno}:{node.name}", textwrap.dedent(src)))
+    return out
+
+
+def _spread(items: list, n: int) -> list:
+    """n items evenly spaced over the list (deterministic, covers many files)."""
+    if n >= len(items):
+        return list(items)
+    return [items[(i * len(items)) // n] for i in range(n)]
+
+
+def code_prompts(tokenizer, n: int, prompt_tokens: int) -> list[tuple[str, list[int]]]:
+    """n prompts: the first prompt_tokens tokens of held-out functions."""
+    picked = _spread(functions(), n)
+    out = []
+    for name, src in picked:
+        ids = tokenizer.encode(src, add_special_tokens=False)
+        out.append((name, ids[:prompt_tokens]))
+    return out
+
+
+LOOKUP_HEADER = "# Original version:\n"
+LOOKUP_SEPARATOR = "\n\n# The same code, copied exactly:\n"
+
+
+def lookup_prompts(
+    tokenizer, n: int, head_tokens: int = 12, max_prompt_tokens: int = 700
+) -> list[tuple[str, list[int]]]:
+    """n input-grounded prompts: a held-out function, then the start of the same
+    function again, so the natural continuation copies from the prompt."""
+    out = []
+    candidates = functions(800, 2400)
+    for name, src in _spread(candidates, len(candidates)):
+        body = tokenizer.encode(src, add_special_tokens=False)
+        ids = tokenizer.encode(LOOKUP_HEADER + src + LOOKUP_SEPARATOR, add_special_tokens=False)
+        ids = ids + body[:head_tokens]
+        if len(ids) <= max_prompt_tokens:
+            out.append((name, ids))
+    if len(out) < n:
+        raise SystemExit(f"only {len(out)} lookup prompts fit in {max_prompt_tokens} tokens")
+    return _spread(out, n)

@@ -1,0 +1,302 @@
+"""Queue overhead benchmark: what Redis + RQ + our job code add around the engine.
+
+    python benchmarks/queue_overhead.py [--jobs 200] [--lines 100000]
+
+Starts a private redis-server on a free port (no persistence), then:
+
+1. Per-job overhead: submits --jobs 1-token jobs with `spec-submit`, runs one
+   `spec-worker --burst` on the demo pair, and timestamps every result as it is
+   stored (Redis keyspace notifications on the batch's `done` list, received in this
+   process). A job's time in the system is the gap between its result and the previous
+   one (the worker is never idle in between: the queue is full); its overhead is that
+   gap minus the engine's own `metrics.generation_time_ms` from its result line.
+2. `spec-submit` of a --lines-line job file (no worker running), wall time.
+3. `spec-collect` of the same batch after --lines fake results were stored with
+   `producer.store.store_line`, exactly as the worker stores them, wall time.
+
+Writes its table to the `queue` section of BENCHMARKS.md (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from redis import Redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import report  # noqa: E402
+
+from producer import store  # noqa: E402
+from producer.jobfile import JobLine  # noqa: E402
+from producer.keys import Keys  # noqa: E402
+from producer.lines import dumps, result_line  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = Path(sys.executable).parent
+PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n\ndef walk("]
+
+
+def script(name: str) -> str:
+    path = BIN / name
+    return str(path) if path.exists() else (shutil.which(name) or name)
+
+
+def log(message: str) -> None:
+    print(f"[{time.monotonic() - START:7.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+START = time.monotonic()
+
+
+def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+        + ["--appendonly", "no", "--dir", str(workdir)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"redis://127.0.0.1:{port}/0"
+    conn = Redis.from_url(url)
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            conn.ping()
+            return proc, url
+        except Exception:
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise SystemExit(f"redis-server on port {port} did not start") from None
+            time.sleep(0.05)
+
+
+def write_jobs(path: Path, n: int, max_tokens: int) -> None:
+    with path.open("w") as f:
+        for i in range(n):
+            line = {"custom_id": f"r{i:06d}", "prompt": PROMPTS[i % len(PROMPTS)]}
+            line.update(max_tokens=max_tokens, temperature=0)
+            f.write(json.dumps(line) + "\n")
+
+
+def run(env: dict, *args: str, timeout: float = 900) -> tuple[subprocess.CompletedProcess, float]:
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [script(args[0]), *args[1:]], env=env, capture_output=True, text=True, timeout=timeout
+    )
+    seconds = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(args)} failed ({proc.returncode}):\n{proc.stderr}")
+    return proc, seconds
+
+
+class DoneWatcher:
+    """Timestamps each RPUSH to a list key, via keyspace notifications."""
+
+    def __init__(self, conn: Redis, key: str):
+        conn.config_set("notify-keyspace-events", "Kl")
+        self.pubsub = conn.pubsub()
+        self.pubsub.subscribe(f"__keyspace@0__:{key}")
+        self.pubsub.get_message(timeout=5)  # the subscribe confirmation
+        self.times: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            msg = self.pubsub.get_message(timeout=0.5)
+            if msg and msg["type"] == "message" and msg["data"] in (b"rpush", "rpush"):
+                self.times.append(time.perf_counter())
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.pubsub.close()
+
+
+def per_job_overhead(conn, env, keys: Keys, tmp: Path, n: int, worker_args: list[str]) -> dict:
+    jobs = tmp / "jobs-1token.jsonl"
+    write_jobs(jobs, n, max_tokens=1)
+    batch = f"overhead_{uuid.uuid4().hex[:8]}"
+    run(env, "spec-submit", str(jobs), "--batch-id", batch)
+    watcher = DoneWatcher(conn, keys.done(batch))
+    log(f"submitted {n} 1-token jobs; starting spec-worker --burst")
+    t0 = time.perf_counter()
+    with (tmp / "worker.log").open("w") as worker_log:
+        subprocess.run(
+            [script("spec-worker"), "--burst", *worker_args],
+            env=env,
+            stdout=worker_log,
+            stderr=subprocess.STDOUT,
+            timeout=1800,
+            check=True,
+        )
+    worker_s = time.perf_counter() - t0
+    time.sleep(0.2)
+    watcher.stop()
+    order = [k.decode() for k in conn.lrange(keys.done(batch), 0, -1)]
+    lines = conn.hmget(keys.results(batch), order)
+    engine_ms = [
+        json.loads(line)["response"]["body"]["metrics"]["generation_time_ms"] for line in lines
+    ]
+    if len(watcher.times) != n or len(engine_ms) != n:
+        raise SystemExit(f"saw {len(watcher.times)} stores and {len(engine_ms)} results of {n}")
+    gaps = [(b - a) * 1000 for a, b in zip(watcher.times, watcher.times[1:], strict=False)]
+    overhead = [g - e for g, e in zip(gaps, engine_ms[1:], strict=True)]
+    return {
+        "jobs": n,
+        "median_ms": statistics.median(overhead),
+        "p90_ms": statistics.quantiles(overhead, n=10)[-1],
+        "median_gap_ms": statistics.median(gaps),
+        "median_engine_ms": statistics.median(engine_ms),
+        "worker_s": worker_s,
+        "first_result_s": watcher.times[0] - t0,
+    }
+
+
+def fake_results(conn, keys: Keys, batch: str, chunk: int = 1000) -> int:
+    """Store a result line for every request of the batch, as worker.jobs does."""
+    records = conn.hgetall(keys.requests(batch))
+    metrics = {
+        "time_to_first_token_ms": 8.1,
+        "generation_time_ms": 310.5,
+        "tokens_per_second": 51.5,
+        "speculative_decoding": {"drafter": "model", "num_spec_steps": 6},
+    }
+    usage = {"prompt_tokens": 5, "completion_tokens": 16, "total_tokens": 21}
+    stats = {"drafter": "model", "num_spec_steps": 6, "num_draft_tokens": 12}
+    counters = store.result_counters(usage, stats, busy_ms=311)
+    items = list(records.items())
+    for i in range(0, len(items), chunk):
+        with conn.pipeline(transaction=False) as pipe:
+            for key, record in items[i : i + chunk]:
+                job = JobLine.from_record(json.loads(record))
+                line = result_line(batch, job, "demo", " return n", "length", usage, metrics, None)
+                store.store_line(
+                    pipe, keys, batch, key.decode(), dumps(line), ok=True, counters=counters
+                )
+            pipe.execute()
+    return len(items)
+
+
+def submit_and_collect(conn, env, keys: Keys, tmp: Path, n: int) -> dict:
+    jobs = tmp / "jobs-100k.jsonl"
+    write_jobs(jobs, n, max_tokens=16)
+    batch = f"big_{uuid.uuid4().hex[:8]}"
+    log(f"spec-submit of {n:,} lines")
+    _, submit_s = run(env, "spec-submit", str(jobs), "--batch-id", batch)
+    queued = conn.llen(f"rq:queue:{keys.queue_name('demo')}")
+    log(f"  {submit_s:.1f} s; {queued:,} jobs queued; storing {n:,} fake results")
+    stored = fake_results(conn, keys, batch)
+    out = tmp / "results.jsonl"
+    log("spec-collect")
+    _, collect_s = run(env, "spec-collect", batch, "-o", str(out))
+    with out.open("rb") as f:
+        written = sum(1 for _ in f)
+    return {
+        "lines": n,
+        "submit_s": submit_s,
+        "queued": queued,
+        "stored": stored,
+        "collect_s": collect_s,
+        "written": written,
+    }
+
+
+def render(over: dict, big: dict, facts: dict) -> str:
+    targets = [
+        report.Target("median per-job overhead (1-token jobs)", over["median_ms"], 5, " ms", True),
+        report.Target(f"spec-submit, {big['lines']:,} lines", big["submit_s"], 15, " s", True),
+        report.Target(f"spec-collect, {big['lines']:,} lines", big["collect_s"], 15, " s", True),
+    ]
+    rows = [
+        ["jobs (1 token each, greedy)", str(over["jobs"])],
+        ["median gap between stored results", f"{over['median_gap_ms']:.2f} ms"],
+        ["median engine time (generation_time_ms)", f"{over['median_engine_ms']:.2f} ms"],
+        ["median overhead (gap - engine time)", f"{over['median_ms']:.2f} ms"],
+        ["90th percentile overhead", f"{over['p90_ms']:.2f} ms"],
+        ["worker process wall time (incl. start-up and pair load)", f"{over['worker_s']:.1f} s"],
+        ["worker start to first stored result", f"{over['first_result_s']:.1f} s"],
+        [f"spec-submit wall time ({big['lines']:,} lines, no worker)", f"{big['submit_s']:.1f} s"],
+        ["jobs in the RQ queue after submit", f"{big['queued']:,}"],
+        [
+            f"spec-collect wall time ({big['stored']:,} stored results)",
+            f"{big['collect_s']:.1f} s",
+        ],
+        ["lines written by spec-collect", f"{big['written']:,}"],
+    ]
+    return "\n\n".join(
+        [
+            "## Queue overhead (`benchmarks/queue_overhead.py`)",
+            f"Command: `{report.command_line()}`",
+            report.machine_facts(facts, mlx=False),
+            "### Targets",
+            report.targets_table(targets),
+            "### Measurements",
+            report.table(["measure", "value"], rows),
+            "A job's time in the system is the gap between its result being stored and the "
+            "previous one (timestamps from Redis keyspace notifications on the batch's `done` "
+            "list; the queue is never empty, so the worker never waits in between); overhead "
+            "is that minus the engine's `generation_time_ms`: dequeue, vetting, heartbeat "
+            "thread, reading the request, building and storing the result line, RQ's "
+            "bookkeeping. Wall times of spec-submit and spec-collect include interpreter "
+            "start-up.",
+        ]
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--jobs", type=int, default=200)
+    parser.add_argument("--lines", type=int, default=100_000)
+    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--target", help="worker target (default: the demo pair)")
+    parser.add_argument("--draft")
+    args = parser.parse_args(argv)
+    worker_args = ["--alias", "demo"]
+    if args.target:
+        worker_args += ["--target", args.target] + (["--draft", args.draft] if args.draft else [])
+
+    with tempfile.TemporaryDirectory(prefix="queue-overhead-") as tmp_name:
+        tmp = Path(tmp_name)
+        proc, url = start_redis(tmp)
+        try:
+            prefix = f"qo{uuid.uuid4().hex[:6]}"
+            env = dict(os.environ, SPEC_REDIS_URL=url, SPEC_KEY_PREFIX=prefix)
+            env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
+            conn = Redis.from_url(url)
+            keys = Keys(prefix)
+            over = per_job_overhead(conn, env, keys, tmp, args.jobs, worker_args)
+            log(f"median overhead {over['median_ms']:.2f} ms/job")
+            big = submit_and_collect(conn, env, keys, tmp, args.lines)
+            version = conn.info("server")["redis_version"]
+        finally:
+            proc.terminate()
+            proc.wait(timeout=10)
+    import rq
+
+    facts = {"redis-server": version, "rq": rq.__version__}
+    md = render(over, big, facts)
+    print(md)
+    report.update_section(args.out, "queue", md)
+    log(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
