@@ -122,6 +122,24 @@ class Jobs:
     seconds: dict[str, float]
     identical: int  # batched outputs equal to the sequential ones (greedy: they must)
     jobs: int
+    pass_s: dict[int, float] = field(default_factory=dict)  # whole-batch target pass, K drafts
+
+
+def batched_pass_seconds(pair, ids: list[list[int]], reps: int, ks=(0, 1, 2, 3, 4)) -> dict:
+    """Median seconds of one target pass over K + 1 tokens for every row of the batch
+    (what one batched verify step costs), at the prompts' context."""
+    width = min(len(p) for p in ids)
+    cache = make_prompt_cache(pair.target)
+    mx.eval(pair.target(mx.array([p[:width] for p in ids]), cache=cache))
+    times: dict[int, list[float]] = {k: [] for k in ks}
+    for rep in range(reps + 1):  # the first round warms up
+        for k in ks:
+            t0 = time.perf_counter()
+            mx.eval(pair.target(mx.array([[1] * (k + 1)] * len(ids)), cache=cache))
+            if rep:
+                times[k].append(time.perf_counter() - t0)
+            trim_prompt_cache(cache, k + 1)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def jobs(pair, prompts, s, log) -> Jobs:
@@ -161,7 +179,8 @@ def jobs(pair, prompts, s, log) -> Jobs:
             seconds[name] += time.perf_counter() - t0
             log(f"  pass {p + 1}: {name}: {tokens[name] / seconds[name]:.1f} tok/s so far")
     same = sum(a == b for a, b in zip(outputs["batched"], outputs["sequential"], strict=True))
-    return Jobs(tokens, seconds, same, len(ids))
+    pass_s = batched_pass_seconds(pair, ids, max(3, s.cost_reps // 3))
+    return Jobs(tokens, seconds, same, len(ids), pass_s)
 
 
 # -- (i): the cost model ------------------------------------------------------------------------
@@ -303,6 +322,18 @@ def render(s, facts, g: Greedy, lookup_res, accept: Sampled, jobs_res: Jobs, cos
         ["(h) mlx-lm batch_generate, no draft", f"{rate['mlx']:.1f}"],
     ]
 
+    t0 = j.pass_s[0]
+    pass_rows = [
+        [
+            str(k),
+            f"{t * 1000:.0f}",
+            f"{t / t0:.2f}",
+            f"{expected_tokens(costs.a, k):.2f}",
+            f"{expected_tokens(costs.a, k) / (t / t0):.2f}x",
+        ]
+        for k, t in j.pass_s.items()
+    ]
+
     pred_best = max(costs.predicted, key=costs.predicted.get)
     meas_best = max(costs.measured, key=costs.measured.get)
     share = costs.measured[meas_best] / costs.predicted[pred_best]
@@ -378,6 +409,15 @@ def render(s, facts, g: Greedy, lookup_res, accept: Sampled, jobs_res: Jobs, cos
         + (", the order of contenders reversed on the second" if s.job_passes > 1 else "")
         + f"; tokens/s = completion tokens / wall time. Batched outputs equal to sequential "
         f"ones: {j.identical}/{j.jobs}.",
+        f"Why batching and speculation compete here: one target pass over K + 1 tokens "
+        f"for each of the {j.jobs} rows, at the prompts' context (median of "
+        f"{max(3, s.cost_reps // 3)}), against the tokens it would yield at the per-token "
+        f"acceptance a = {costs.a:.3f} of (i) (draft cost left out, so the last column is "
+        "an upper bound of batched speculation's gain over batched plain decoding):",
+        report.table(
+            ["K", "batch pass (ms)", "vs K=0", "E(K) from a", "upper bound of gain"],
+            pass_rows,
+        ),
         "### (i) Cost model",
         f"Measured on this pair at a {s.prompt_tokens}-token context: one target decode step "
         f"{costs.step_s * 1000:.1f} ms; draft step cost ratio c = {costs.c:.3f} "
