@@ -43,7 +43,7 @@ def mixed_lines(n: int = 50) -> list[dict]:
         if i % 3 == 0:
             body["seed"] = 1000 + i
         if i % 4 == 1:
-            body["stop"] = ["\n\n", ")"]
+            body["stop"] = ["\n", ")"]
         if i % 5 == 2:
             body["top_k"] = 20
             body["top_p"] = 0.9
@@ -139,6 +139,8 @@ def test_end_to_end_two_workers_equal_spec_run(redis_env, start_worker, tmp_path
             "tokens_per_second",
             "speculative_decoding",
         }
+    finish = [r["response"]["body"]["choices"][0]["finish_reason"] for r in results]
+    assert finish.count("stop") >= 3 and finish.count("length") >= 3  # stop strings exercised
     # Sampled lines without a seed got one derived from (batch, custom_id), and say so.
     assert all(
         r["response"]["body"]["seed"] is not None
