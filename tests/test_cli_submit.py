@@ -258,3 +258,27 @@ def test_the_producer_never_imports_mlx_or_the_engine():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_the_demo_alias_is_checked_with_the_bundled_tokenizer(redis_env, tmp_path):
+    """No worker has registered "demo" yet: the producer reads the bundled tokenizer file."""
+    from tokenizers import Tokenizer
+
+    from producer.tokencount import DEMO_TARGET_DIR
+
+    prompt = "def f(x):\n    return x\n" * 300
+    n = len(
+        Tokenizer.from_file(str(DEMO_TARGET_DIR / "tokenizer.json"))
+        .encode(prompt, add_special_tokens=False)
+        .ids
+    )
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(
+        GOOD + "\n" + json.dumps({"custom_id": "long", "prompt": prompt, "max_tokens": 8}) + "\n"
+    )
+    result = _submit(str(path))
+    assert result.exit_code == 1
+    assert result.stderr.splitlines()[0] == (
+        f"{path}:2: prompt: too long for model demo: at least {n} prompt tokens + max_tokens 8 > context 1024 tokens"
+    )
+    assert n + 8 > 1024
