@@ -91,18 +91,18 @@ LOOKUP_SEPARATOR = "\n\n# The same code, copied exactly:\n"
 
 
 def lookup_prompts(
-    tokenizer, n: int, head_tokens: int = 12, max_prompt_tokens: int = 700
+    tokenizer, n: int, head_tokens: int = 12, body_tokens: tuple[int, int] = (100, 160)
 ) -> list[tuple[str, list[int]]]:
-    """n input-grounded prompts: a held-out function, then the start of the same
-    function again, so the natural continuation copies from the prompt."""
+    """n input-grounded prompts: a held-out function of body_tokens tokens, then the
+    start of the same function again, so the natural continuation copies from the prompt.
+    (Short functions: the demo pair was trained on windows of at most 256 tokens.)"""
     out = []
-    candidates = functions(800, 2400)
-    for name, src in _spread(candidates, len(candidates)):
+    for name, src in functions(200, 1000):
         body = tokenizer.encode(src, add_special_tokens=False)
-        ids = tokenizer.encode(LOOKUP_HEADER + src + LOOKUP_SEPARATOR, add_special_tokens=False)
-        ids = ids + body[:head_tokens]
-        if len(ids) <= max_prompt_tokens:
+        if body_tokens[0] <= len(body) <= body_tokens[1]:
+            text = LOOKUP_HEADER + src + LOOKUP_SEPARATOR
+            ids = tokenizer.encode(text, add_special_tokens=False) + body[:head_tokens]
             out.append((name, ids))
     if len(out) < n:
-        raise SystemExit(f"only {len(out)} lookup prompts fit in {max_prompt_tokens} tokens")
+        raise SystemExit(f"only {len(out)} held-out functions of {body_tokens} tokens")
     return _spread(out, n)

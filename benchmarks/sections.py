@@ -35,6 +35,7 @@ class Greedy:
     c: dict[int, Tally]
     d: Tally
     e: Tally
+    lookup: Tally  # drafter "lookup" on these (not input-grounded) prompts, for reference
     prompts: int = 0
 
 
@@ -47,6 +48,7 @@ def greedy(pair, upair, prompts, s, log) -> Greedy:
     contenders += [
         Contender("d", harness.ours(pair, "auto"), uses_draft=True),
         Contender("e", harness.ours(upair, "auto"), uses_draft=True),
+        Contender("lookup", harness.ours(pair, "auto", drafter="lookup")),
     ]
     harness.warm_up(contenders, prompts[0][1])
     t = harness.round_robin(contenders, prompts, s.max_tokens, pair, log)
@@ -56,6 +58,7 @@ def greedy(pair, upair, prompts, s, log) -> Greedy:
         c={k: t[f"c{k}"] for k in s.our_ks},
         d=t["d"],
         e=t["e"],
+        lookup=t["lookup"],
         prompts=len(prompts),
     )
 
@@ -307,6 +310,7 @@ def render(s, facts, g: Greedy, lookup_res, accept: Sampled, jobs_res: Jobs, cos
     ]
     rows.append(_row('(d) ours, "auto"', g.d, a, ref))
     rows.append(_row('(e) ours, "auto", useless draft', g.e, a, ref))
+    rows.append(_row('(f\') ours, drafter "lookup", "auto" (these prompts)', g.lookup, a, ref))
 
     la, lf, lookup_len = lookup_res
     lookup_rows = [
