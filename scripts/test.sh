@@ -5,7 +5,8 @@
 #   bash scripts/test.sh -m "not slow"   # extra arguments go to pytest
 #
 # Uses the active virtualenv, or creates .venv in the repository root. On Debian as root it
-# apt-installs redis-server (and libopenblas0, an optional speed-up for MLX on the CPU); on
+# apt-installs redis-server (and libopenblas0, an optional speed-up for MLX on the CPU, and
+# chromium for the report rendering test); on
 # a Mac it asks you to `brew install redis`. It starts no Redis: the tests start a private
 # redis-server on a free port, or use REDIS_URL when it is set.
 # PYTHON picks the interpreter for a new .venv (default: python3, at least 3.10).
@@ -72,6 +73,12 @@ elif $can_apt; then
     apt_install redis-server || die "apt-get install redis-server failed"
 else
     die "redis-server not found; install it (Debian: apt-get install redis-server, as root)"
+fi
+
+# tests/test_report.py renders the report page in headless chromium (skipped without it).
+if $can_apt && ! command -v chromium >/dev/null 2>&1; then
+    say "installing chromium and fonts-dejavu-core (apt-get; for the report rendering test)"
+    apt_install chromium fonts-dejavu-core || say "could not install chromium; its test will be skipped"
 fi
 
 if $can_apt && ! dpkg_has libopenblas0; then
