@@ -6,9 +6,9 @@
 #
 # Uses the active virtualenv, or creates .venv in the repository root. On Debian as root it
 # apt-installs redis-server (and libopenblas0, an optional speed-up for MLX on the CPU, and
-# chromium for the report rendering test); on
-# a Mac it asks you to `brew install redis`. It starts no Redis: the tests start a private
-# redis-server on a free port, or use REDIS_URL when it is set.
+# chromium for the report rendering test); on a Mac it asks you to `brew install redis`.
+# It starts no Redis: the tests start a private redis-server on a free port, or use REDIS_URL
+# when it is set.
 # PYTHON picks the interpreter for a new .venv (default: python3, at least 3.10).
 # Written for bash 3.2 too (macOS's /bin/bash).
 set -euo pipefail
