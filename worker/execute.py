@@ -43,11 +43,18 @@ def execute(pair, alias: str, batch_id: str, job: JobLine) -> Outcome:
     started = time.perf_counter()
     try:
         res = engine.generate(pair, to_request(job, seed))
-    except engine.ContextLengthError as exc:
-        return failure(batch_id, job, "context_length_exceeded", f"{job.prompt_field}: {exc}")
-    except engine.InvalidRequestError as exc:
-        return failure(batch_id, job, "invalid_request", str(exc))
+    except (engine.ContextLengthError, engine.InvalidRequestError) as exc:
+        return outcome_of(alias, batch_id, job, seed, exc)
     busy_ms = int((time.perf_counter() - started) * 1000)
+    return outcome_of(alias, batch_id, job, seed, res, busy_ms)
+
+
+def outcome_of(alias: str, batch_id: str, job: JobLine, seed, res, busy_ms: int = 0) -> Outcome:
+    """The line for an engine result, or for a request error the engine raised."""
+    if isinstance(res, engine.ContextLengthError):
+        return failure(batch_id, job, "context_length_exceeded", f"{job.prompt_field}: {res}")
+    if isinstance(res, engine.InvalidRequestError):
+        return failure(batch_id, job, "invalid_request", str(res))
     line = result_line(
         batch_id, job, alias, res.text, res.finish_reason, res.usage, res.metrics, seed
     )
