@@ -10,12 +10,11 @@ from __future__ import annotations
 import functools
 import json
 import sys
-import time
 
 import click
 import redis
 
-from producer import batches, config
+from producer import batches, config, progress
 from producer.connection import RedisUnavailable, connect, warn_if_evicting
 from producer.jobfile import JobFileError
 from producer.keys import Keys
@@ -144,7 +143,7 @@ def submit(jobs_file, redis_url, model, batch_id, skip_invalid, wait, output, er
     if not wait:
         _say(_follow_hint(batch_id, redis_url))
         return
-    final = _wait(conn, keys, batch_id)
+    final = _watch(conn, keys, batch_id, sys.stderr, "spec-submit", redis_url)
     if output:
         counts = batches.collect(conn, keys, batch_id, output, errors_path)
         _say(_collected(counts, output, errors_path))
@@ -154,22 +153,19 @@ def submit(jobs_file, redis_url, model, batch_id, skip_invalid, wait, output, er
     )
 
 
-def _wait(conn, keys, batch_id: str) -> dict:
-    last = None
-    while True:
-        state = batches.status(conn, keys, batch_id)
-        c = state["request_counts"]
-        line = (
-            f"{state['status']}: {c['completed'] + c['failed']}/{c['total']} done "
-            f"({c['running']} running, {c['failed']} failed), "
-            f"{state['throughput_tokens_per_second']:.1f} tok/s"
-        )
-        if line != last:
-            _say(line)
-            last = line
-        if state["status"] in batches.TERMINAL and c["running"] == 0:
-            return state
-        time.sleep(config.WAIT_POLL_S)
+def _watch(conn, keys, batch_id: str, stream, name: str, redis_url: str | None) -> dict:
+    """Show the batch's progress on stream until it is finished; returns the last status.
+    Ctrl-C stops watching (exit 130); the batch goes on."""
+    shown = progress.Progress(file=stream)
+    try:
+        with shown:
+            return progress.follow(
+                lambda: progress.batch_status(conn, keys, batch_id), shown, config.WAIT_POLL_S
+            )
+    except KeyboardInterrupt:
+        _say(f"{name}: stopped watching; batch {batch_id} goes on")
+        _say(_follow_hint(batch_id, redis_url))
+        sys.exit(130)
 
 
 def _collected(counts: dict, output: str, errors_path: str | None) -> str:
@@ -187,11 +183,25 @@ def _collected(counts: dict, output: str, errors_path: str | None) -> str:
 @click.argument("batch_id", metavar="BATCH")
 @_redis_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status object (FORMATS.md).")
+@click.option(
+    "--watch",
+    is_flag=True,
+    help="Follow the batch until it is finished (live on a terminal, else a line at intervals).",
+)
 @_friendly_errors("spec-status")
-def status(batch_id, redis_url, as_json):
-    """Show a batch's progress: counts, throughput, acceptance, ETA, workers."""
+def status(batch_id, redis_url, as_json, watch):
+    """Show a batch's progress: counts, throughput, acceptance, ETA, workers, audit.
+
+    With --watch, exits 0 once the batch is finished, 130 on Ctrl-C.
+    """
+    if watch and as_json:
+        raise click.UsageError("--watch and --json do not go together (poll --json instead)")
     conn = connect(redis_url)
-    state = batches.status(conn, Keys.default(), batch_id)
+    keys = Keys.default()
+    if watch:
+        _watch(conn, keys, batch_id, sys.stdout, "spec-status", redis_url)
+        return
+    state = progress.batch_status(conn, keys, batch_id)
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return
@@ -211,6 +221,17 @@ def status(batch_id, redis_url, as_json):
         f"  speculative decoding: drafter {sd['drafter']}, acceptance "
         f"{sd['draft_acceptance_rate']:.2f}, mean acceptance length {sd['mean_acceptance_length']:.2f}"
     )
+    audit = state["audit"]
+    if audit["checked"]:
+        click.echo(
+            f"  audit: {audit['checked']} checked against target-only, "
+            f"{audit['mismatches']} mismatches"
+            + (
+                " (speculative output differed: see the workers' logs)"
+                if audit["mismatches"]
+                else ""
+            )
+        )
     for w in state["workers"]:
         click.echo(
             f"  worker {w['name']} ({w['model']}): {w['completed']} completed, "

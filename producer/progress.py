@@ -1,0 +1,351 @@
+"""Live progress of a batch: a rich display on a terminal, plain lines in logs.
+
+`Progress` renders status objects (FORMATS.md's batch status shape) as they come:
+on a terminal it redraws one panel in place (counts, bar, tokens/s, acceptance, ETA,
+one row per worker); elsewhere it prints one plain line at most every `every_s`
+seconds, and always the last one, so logs hold no control characters. `spec-status
+--watch` and `spec-submit --wait` feed it from Redis (`follow`); `spec-run` feeds it
+from its own counters (`RunProgress`). No MLX here.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import IO, Any
+
+from redis import Redis
+from rich.console import Console, Group
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from producer import batches
+from producer.keys import Keys
+
+#: Batch hash fields of audit mode (`spec-worker --audit RATE`), written by worker.audit.
+AUDIT_CHECKED = "audit_checked"
+AUDIT_MISMATCHES = "audit_mismatches"
+
+#: Without a terminal, at most one progress line per this many seconds (plus the last).
+PLAIN_EVERY_S = 10.0
+
+__all__ = [
+    "AUDIT_CHECKED",
+    "AUDIT_MISMATCHES",
+    "Progress",
+    "RunProgress",
+    "audit_summary",
+    "batch_status",
+    "follow",
+    "is_finished",
+    "plain_line",
+    "render",
+]
+
+
+def audit_summary(conn: Redis, keys: Keys, batch_id: str) -> dict[str, int]:
+    """{"checked", "mismatches"}: requests re-run target-only by audit mode, and how
+    many of them came out different from the speculative output."""
+    checked, mismatches = conn.hmget(keys.batch(batch_id), [AUDIT_CHECKED, AUDIT_MISMATCHES])
+    return {"checked": int(checked or 0), "mismatches": int(mismatches or 0)}
+
+
+def batch_status(conn: Redis, keys: Keys, batch_id: str) -> dict:
+    """batches.status plus the "audit" object. Raises batches.BatchError."""
+    state = batches.status(conn, keys, batch_id)
+    state["audit"] = audit_summary(conn, keys, batch_id)
+    return state
+
+
+def is_finished(state: dict) -> bool:
+    """True once nothing more will happen to the batch: a final status, nothing running."""
+    return state["status"] in batches.TERMINAL and state["request_counts"]["running"] == 0
+
+
+def duration(seconds: float | None) -> str:
+    """A short human duration: 42 s, 3 m 05 s, 2 h 07 m; "-" when unknown."""
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s} s"
+    if s < 3600:
+        return f"{s // 60} m {s % 60:02d} s"
+    return f"{s // 3600} h {s % 3600 // 60:02d} m"
+
+
+def _numbers(state: dict) -> dict[str, Any]:
+    c, sd = state["request_counts"], state["speculative_decoding"]
+    return {
+        "done": c["completed"] + c["failed"],
+        "total": c["total"],
+        "completed": c["completed"],
+        "failed": c["failed"],
+        "running": c["running"],
+        "queued": c["queued"],
+        "tps": state["throughput_tokens_per_second"],
+        "acceptance": sd["draft_acceptance_rate"],
+        "mal": sd["mean_acceptance_length"],
+        "eta": duration(state["eta_seconds"]),
+    }
+
+
+def _audit_text(state: dict) -> str | None:
+    audit = state.get("audit") or {}
+    if not audit.get("checked"):
+        return None
+    text = f"audit {audit['checked']} checked, {audit['mismatches']} mismatches"
+    return text + (" (speculative output differed from target-only)" if audit["mismatches"] else "")
+
+
+def plain_line(state: dict) -> str:
+    """One line for logs: every number of the display, no control characters."""
+    n = _numbers(state)
+    parts = [
+        f"batch {state['id']} {state['status']}: {n['done']}/{n['total']} done",
+        f"{n['completed']} completed, {n['failed']} failed, {n['running']} running, "
+        f"{n['queued']} queued",
+        f"{n['tps']:.1f} tok/s",
+        f"acceptance {n['acceptance']:.2f}",
+        f"mean acceptance length {n['mal']:.2f}",
+        f"ETA {n['eta']}",
+    ]
+    audit = _audit_text(state)
+    if audit:
+        parts.append(audit)
+    workers = state.get("workers") or []
+    if workers:
+        parts.append(
+            "workers: "
+            + ", ".join(
+                f"{w['name']} {w['completed']} completed {w['tokens_per_second']:.1f} tok/s"
+                for w in workers
+            )
+        )
+    return "; ".join(parts)
+
+
+def render(state: dict):
+    """The terminal display of one status object (a rich renderable)."""
+    n = _numbers(state)
+    head = Table.grid(padding=(0, 2))
+    head.add_row(
+        Text(f"batch {state['id']}", style="bold"),
+        Text(state["status"], style=_STATUS_STYLE.get(state["status"], "")),
+        Text(f"ETA {n['eta']}"),
+    )
+    bar = Table.grid(padding=(0, 2))
+    bar.add_row(
+        ProgressBar(total=max(n["total"], 1), completed=n["done"], width=50),
+        Text(f"{n['done']}/{n['total']} done"),
+    )
+    failed = f"{n['failed']} failed"
+    counts = Text(
+        f"{n['completed']} completed  {failed}  {n['running']} running  {n['queued']} queued"
+    )
+    if n["failed"]:
+        start = counts.plain.index(failed)
+        counts.stylize("red", start, start + len(failed))
+    speed = Text(
+        f"{n['tps']:.1f} tok/s  acceptance {n['acceptance']:.2f}  "
+        f"mean acceptance length {n['mal']:.2f}"
+    )
+    parts: list = [head, bar, counts, speed]
+    audit = _audit_text(state)
+    if audit:
+        parts.append(Text(audit, style="bold red" if state["audit"]["mismatches"] else ""))
+    workers = state.get("workers") or []
+    if workers:
+        table = Table(box=None, padding=(0, 2), show_edge=False)
+        for name, justify in (
+            ("worker", "left"),
+            ("model", "left"),
+            ("completed", "right"),
+            ("failed", "right"),
+            ("tok/s", "right"),
+        ):
+            table.add_column(name, justify=justify, style="dim" if name == "model" else None)
+        for w in workers:
+            table.add_row(
+                w["name"],
+                w.get("model") or "-",
+                str(w["completed"]),
+                str(w.get("failed", 0)),
+                f"{w['tokens_per_second']:.1f}",
+            )
+        parts.append(table)
+    return Group(*parts)
+
+
+_STATUS_STYLE = {
+    "completed": "green",
+    "failed": "red",
+    "cancelled": "yellow",
+    "in_progress": "cyan",
+}
+
+
+class Progress:
+    """Shows status objects as they come; use as a context manager (or call close).
+
+    On a terminal (`console.is_terminal`), one display redrawn in place; otherwise a
+    plain line at most every `every_s` seconds when something changed, and the last
+    state again on close if it was not printed.
+    """
+
+    def __init__(
+        self,
+        console: Console | None = None,
+        file: IO[str] | None = None,
+        every_s: float = PLAIN_EVERY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
+        self.console = console or Console(file=file, highlight=False)
+        self.live = self.console.is_terminal and not self.console.is_dumb_terminal
+        self.every_s = every_s
+        self._clock = clock
+        self._live: Live | None = None
+        self._last_line: str | None = None
+        self._printed_line: str | None = None
+        self._printed_at: float | None = None
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def update(self, state: dict) -> None:
+        """Show this status object (redraw, or maybe a plain line)."""
+        if self.live:
+            if self._live is None:
+                self._live = Live(
+                    render(state),
+                    console=self.console,
+                    auto_refresh=False,  # redrawn on each update: no thread
+                )
+                self._live.start(refresh=True)
+            else:
+                self._live.update(render(state), refresh=True)
+            return
+        line = plain_line(state)
+        self._last_line = line
+        now = self._clock()
+        due = self._printed_at is None or now - self._printed_at >= self.every_s
+        if due and line != self._printed_line:
+            self._print_plain(line, now)
+
+    def print(self, message: str) -> None:
+        """A message above the display (or a plain line)."""
+        if self._live is not None:
+            self._live.console.print(message, markup=False, highlight=False)
+        else:
+            self.console.file.write(message + "\n")
+            self.console.file.flush()
+
+    def close(self) -> None:
+        """Stop redrawing (the last display stays on screen), or print the last line."""
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+        elif self._last_line is not None and self._last_line != self._printed_line:
+            self._print_plain(self._last_line, self._clock())
+
+    def _print_plain(self, line: str, now: float) -> None:
+        self.console.file.write(line + "\n")
+        self.console.file.flush()
+        self._printed_line, self._printed_at = line, now
+
+
+def follow(
+    fetch: Callable[[], dict],
+    progress: Progress,
+    poll_s: float,
+    sleep: Callable[[float], None] = time.sleep,
+) -> dict:
+    """Show fetch() every poll_s seconds until the batch is finished; returns the last
+    state. KeyboardInterrupt and fetch's errors propagate (the display is left as is)."""
+    while True:
+        state = fetch()
+        progress.update(state)
+        if is_finished(state):
+            return state
+        sleep(poll_s)
+
+
+class RunProgress:
+    """Progress of `spec-run` (no Redis): builds status objects from the run's counters.
+
+    `update_run(summary)` takes anything with `lines`, `completed`, `failed`,
+    `completion_tokens` and `stats` (engine.SpecStats: its `to_dict()` is used), as
+    worker.local.RunSummary has; `total` is the number of lines of the file.
+    """
+
+    def __init__(
+        self,
+        total: int,
+        batch_id: str,
+        worker: str = "local",
+        progress: Progress | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        **progress_args,
+    ):
+        self.total = total
+        self.batch_id = batch_id
+        self.worker = worker
+        progress_args.setdefault("file", sys.stderr)  # stdout may be a results file
+        self.progress = progress or Progress(clock=clock, **progress_args)
+        self._clock = clock
+        self._started = clock()
+
+    def __enter__(self) -> RunProgress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.progress.close()
+
+    def state(self, summary) -> dict:
+        """The status object (FORMATS.md shape) of a run so far."""
+        elapsed = self._clock() - self._started
+        done = summary.completed + summary.failed
+        finished = done >= self.total
+        rate = summary.completion_tokens / elapsed if elapsed > 0 else 0.0
+        eta = 0.0 if finished else (elapsed * (self.total - done) / done if done else None)
+        status = "queued" if not done else "in_progress"
+        if finished:
+            status = "completed" if summary.completed else "failed"
+        return {
+            "id": self.batch_id,
+            "status": status,
+            "request_counts": {
+                "total": self.total,
+                "queued": max(0, self.total - done - (0 if finished else 1)),
+                "running": 0 if finished else 1,
+                "completed": summary.completed,
+                "failed": summary.failed,
+            },
+            "usage": {"completion_tokens": summary.completion_tokens},
+            "speculative_decoding": summary.stats.to_dict(),
+            "throughput_tokens_per_second": round(rate, 2),
+            "eta_seconds": None if eta is None else round(eta, 1),
+            "workers": [
+                {
+                    "name": self.worker,
+                    "model": None,
+                    "completed": summary.completed,
+                    "failed": summary.failed,
+                    "tokens_per_second": round(rate, 2),
+                }
+            ],
+        }
+
+    def update_run(self, summary) -> None:
+        """Show the run's counters now."""
+        self.progress.update(self.state(summary))
+
+    def print(self, message: str) -> None:
+        """A per-line message above the display (spec-run's `progress` callback)."""
+        self.progress.print(message)
