@@ -205,7 +205,17 @@ def _tokenizer_json(pair) -> str | None:
 @click.option(
     "--skip-invalid", is_flag=True, help="Run the valid lines; invalid ones become error lines."
 )
-def run(jobs_file, output, errors_path, target, draft, model, alias, batch_id, skip_invalid):
+@click.option(
+    "--batch",
+    "max_batch",
+    default=16,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Requests decoded together (1: one at a time).",
+)
+def run(
+    jobs_file, output, errors_path, target, draft, model, alias, batch_id, skip_invalid, max_batch
+):
     """Run a job file in this process, without Redis: the same validation, engine and
     result lines as the queue."""
     from worker.local import context_check, run_file
@@ -233,7 +243,9 @@ def run(jobs_file, output, errors_path, target, draft, model, alias, batch_id, s
     out = open(output, "wb")
     errors_out = open(errors_path, "wb") if errors_path else out
     try:
-        summary = run_file(pair, alias, jobs_file, batch_id, out, errors_out, model or None, _say)
+        summary = run_file(
+            pair, alias, jobs_file, batch_id, out, errors_out, model or None, _say, max_batch
+        )
     finally:
         out.close()
         if errors_out is not out:

@@ -1,8 +1,10 @@
 """`spec-run`: the worker without a queue. Same validation, engine and lines, no Redis.
 
-Lines are run one by one in input order and written as they finish (results to the
-output file; error lines to the errors file, or also to the output when none is
-given), so a long run can be watched and a killed run keeps what it did.
+Lines run together in batches (batched speculation across requests: `max_batch`
+rows at a time, a window of lines ahead) and are written in input order as soon as
+every earlier line is done (results to the output file; error lines to the errors
+file, or also to the output when none is given), so a long run can be watched and
+a killed run keeps what it did.
 """
 
 from __future__ import annotations
@@ -16,9 +18,14 @@ from dataclasses import dataclass, field
 import engine
 from producer.jobfile import JobLine, LineError, validate_file
 from producer.lines import dumps, error_line
+from worker.batching import run_lines
 from worker.execute import Outcome, execute, failure, to_request
 
 log = logging.getLogger("specfleet.run")
+
+#: Rows decoded together by default, and how many lines per row are read ahead.
+DEFAULT_BATCH = 16
+WINDOW_PER_ROW = 4
 
 
 @dataclass
@@ -62,6 +69,7 @@ def run_file(
     errors_out,
     model_override: str | None = None,
     progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
+    max_batch: int = DEFAULT_BATCH,
 ) -> RunSummary:
     """Run every line of an already validated file; invalid lines become error lines.
 
@@ -86,38 +94,69 @@ def run_file(
             summary.lines += 1
             pending.clear()
 
+    window: list[JobLine | LineError] = []
+
+    def run_window() -> None:
+        runnable = [j for j in window if isinstance(j, JobLine) and _serves(j, alias)]
+        outcomes = dict(_run_many(pair, alias, batch_id, runnable, max_batch))
+        for entry in window:
+            if isinstance(entry, LineError):
+                if pending and pending[0].line != entry.line:
+                    flush_invalid()
+                pending.append(entry)
+                continue
+            flush_invalid()
+            outcome = outcomes.get(entry.line) or _not_served(alias, batch_id, entry)
+            summary.lines += 1
+            (out if outcome.ok else errors_out).write((dumps(outcome.line) + "\n").encode())
+            out.flush()
+            if outcome.ok:
+                summary.completed += 1
+                summary.completion_tokens += outcome.completion_tokens
+                summary.stats.merge(outcome.stats)
+            else:
+                summary.failed += 1
+            progress(_progress_line(summary, entry, outcome))
+        window.clear()
+
     for item in validate_file(path, model_override, check):
-        if isinstance(item, LineError):
-            if pending and pending[0].line != item.line:
-                flush_invalid()
-            pending.append(item)
-            continue
-        flush_invalid()
-        outcome = _run_one(pair, alias, batch_id, item)
-        summary.lines += 1
-        (out if outcome.ok else errors_out).write((dumps(outcome.line) + "\n").encode())
-        out.flush()
-        if outcome.ok:
-            summary.completed += 1
-            summary.completion_tokens += outcome.completion_tokens
-            summary.stats.merge(outcome.stats)
-        else:
-            summary.failed += 1
-        progress(_progress_line(summary, item, outcome))
+        window.append(item)
+        if sum(isinstance(e, JobLine) for e in window) >= WINDOW_PER_ROW * max_batch:
+            run_window()
+    run_window()
     flush_invalid()
     summary.seconds = time.perf_counter() - started
     return summary
 
 
+def _serves(job: JobLine, alias: str) -> bool:
+    return job.model is None or job.model == alias
+
+
+def _not_served(alias: str, batch_id: str, job: JobLine) -> Outcome:
+    return failure(
+        batch_id,
+        job,
+        "model_not_served",
+        f"this run serves model {alias!r}, the line asks for {job.model!r} "
+        f"(pass --model {alias} to run every line on it)",
+    )
+
+
+def _run_many(pair, alias: str, batch_id: str, jobs: list[JobLine], max_batch: int):
+    """(line number, outcome) for each job; one by one if the batch as a whole fails."""
+    if max_batch > 1:
+        done: dict[int, Outcome] = {}
+        try:
+            for job, outcome in run_lines(pair, alias, batch_id, jobs, max_batch):
+                done[job.line] = outcome
+            return done.items()
+        except Exception:  # a request the batch cannot take: isolate it below
+            log.exception("batched run failed; running these lines one by one")
+    return [(job.line, _run_one(pair, alias, batch_id, job)) for job in jobs]
+
+
 def _run_one(pair, alias: str, batch_id: str, job: JobLine) -> Outcome:
-    if job.model is not None and job.model != alias:
-        return failure(
-            batch_id,
-            job,
-            "model_not_served",
-            f"this run serves model {alias!r}, the line asks for {job.model!r} "
-            f"(pass --model {alias} to run every line on it)",
-        )
     try:
         return execute(pair, alias, batch_id, job)
     except Exception as exc:  # one bad line must not lose the others
