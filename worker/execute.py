@@ -2,7 +2,8 @@
 
 Shared by the queue worker and `spec-run`, so both produce the same line for the same
 request and seed. Engine errors a user can act on become error lines; anything else
-is raised (the queue retries it, spec-run records `internal_error`).
+is raised (the queue retries it, spec-run records `internal_error`). In audit mode
+(worker.audit), a finished greedy line may be re-run target-only and compared.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import engine
 from producer.jobfile import JobLine
 from producer.lines import effective_seed, error_line, result_line
 from producer.store import result_counters
+from worker.audit import get_auditor
 
 
 @dataclass(frozen=True)
@@ -26,6 +28,8 @@ class Outcome:
     counters: dict
     completion_tokens: int = 0
     stats: engine.SpecStats | None = None
+    #: Audit mode: True/False when re-run target-only and compared, else None.
+    audited: bool | None = None
 
 
 def to_request(job: JobLine, seed: int | None) -> engine.GenerationRequest:
@@ -46,11 +50,17 @@ def execute(pair, alias: str, batch_id: str, job: JobLine) -> Outcome:
     except (engine.ContextLengthError, engine.InvalidRequestError) as exc:
         return outcome_of(alias, batch_id, job, seed, exc)
     busy_ms = int((time.perf_counter() - started) * 1000)
-    return outcome_of(alias, batch_id, job, seed, res, busy_ms)
+    return outcome_of(alias, batch_id, job, seed, res, busy_ms, pair=pair)
 
 
-def outcome_of(alias: str, batch_id: str, job: JobLine, seed, res, busy_ms: int = 0) -> Outcome:
-    """The line for an engine result, or for a request error the engine raised."""
+def outcome_of(
+    alias: str, batch_id: str, job: JobLine, seed, res, busy_ms: int = 0, pair=None
+) -> Outcome:
+    """The line for an engine result, or for a request error the engine raised.
+
+    With `pair` (the pair that produced res) and audit mode on, the line may be re-run
+    target-only and compared (worker.audit); busy_ms does not include that run.
+    """
     if isinstance(res, engine.ContextLengthError):
         return failure(batch_id, job, "context_length_exceeded", f"{job.prompt_field}: {res}")
     if isinstance(res, engine.InvalidRequestError):
@@ -59,7 +69,12 @@ def outcome_of(alias: str, batch_id: str, job: JobLine, seed, res, busy_ms: int 
         batch_id, job, alias, res.text, res.finish_reason, res.usage, res.metrics, seed
     )
     counters = result_counters(res.usage, dataclasses.asdict(res.stats), busy_ms)
-    return Outcome(True, line, counters, int(res.usage["completion_tokens"]), res.stats)
+    auditor = get_auditor()
+    audited = None
+    if auditor is not None and pair is not None:
+        label = f"line {job.line} ({job.custom_id})"
+        audited = auditor.check(pair, batch_id, label, to_request(job, seed), res)
+    return Outcome(True, line, counters, int(res.usage["completion_tokens"]), res.stats, audited)
 
 
 def failure(batch_id: str, job: JobLine, code: str, message: str) -> Outcome:

@@ -1,0 +1,115 @@
+"""Audit mode: greedy lines re-run target-only on the demo pair; matches and mismatches
+are counted in the batch hash and shown by spec-status (human and --json)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+from click.testing import CliRunner
+
+import engine
+import engine.core
+from producer import cli
+from producer.jobfile import parse_line
+from worker import audit
+from worker.execute import execute
+
+PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):"]
+
+
+@pytest.fixture(scope="module")
+def demo():
+    return engine.load_pair(calibrate=False)
+
+
+def job(i: int, **fields):
+    body = {"custom_id": f"r{i}", "prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 12}
+    body["speculative"] = {"num_draft_tokens": 3}  # a fixed k: every step drafts
+    body.update(fields)
+    (line,) = parse_line(i + 1, json.dumps(body).encode())
+    return line
+
+
+@pytest.fixture
+def batch(redis_env):
+    """An existing batch hash (audit counts only into batches that exist), and the
+    auditor of a worker with --audit 1.0; audit mode is off again afterwards."""
+    batch_id = redis_env.batch_id()
+    redis_env.conn.hset(redis_env.keys.batch(batch_id), "created_at", "0")
+    redis_env.conn.zadd(redis_env.keys.order(batch_id), {"c:r0": 1})
+    audit.set_auditor(audit.Auditor(1.0, redis_env.conn, redis_env.keys, random.Random(0)))
+    yield batch_id
+    audit.set_auditor(None)
+
+
+def counts(env, batch_id: str) -> dict:
+    status = CliRunner().invoke(cli.status, [batch_id, "--json"], catch_exceptions=False)
+    assert status.exit_code == 0, status.output
+    return json.loads(status.output)["audit"]
+
+
+def test_at_rate_1_every_greedy_line_is_audited_and_matches(demo, redis_env, batch):
+    greedy = [job(i, temperature=0) for i in range(3)]
+    assert [execute(demo, "demo", batch, j).audited for j in greedy] == [True, True, True]
+    # Not audited: sampled lines (no single right answer) and target-only lines.
+    assert execute(demo, "demo", batch, job(3, temperature=0.8, seed=1)).audited is None
+    assert execute(demo, "demo", batch, job(4, speculative={"drafter": "none"})).audited is None
+    assert counts(redis_env, batch) == {"checked": 3, "mismatches": 0}
+    human = CliRunner().invoke(cli.status, [batch], catch_exceptions=False).output
+    assert "  audit: 3 checked against target-only, 0 mismatches\n" in human
+
+
+def test_a_broken_speculative_path_is_reported_as_a_mismatch(
+    demo, redis_env, batch, monkeypatch, caplog
+):
+    right = engine.core.accept_greedy
+
+    def broken(best, drafts):
+        # After drafting, emit a token one off the target's: target-only (no drafts) is
+        # untouched, so only the speculative path is wrong.
+        n, nxt = right(best, drafts)
+        return n, (nxt ^ 1) if drafts else nxt
+
+    monkeypatch.setattr(engine.core, "accept_greedy", broken)
+    with caplog.at_level(logging.ERROR, logger="specfleet.audit"):
+        outcomes = [execute(demo, "demo", batch, job(i, temperature=0)) for i in range(2)]
+    assert [o.audited for o in outcomes] == [False, False]
+    assert all(o.ok for o in outcomes)  # the result line is still written
+    assert counts(redis_env, batch) == {"checked": 2, "mismatches": 2}
+    assert f"audit {batch} line 1 (r0): MISMATCH" in caplog.text
+    human = CliRunner().invoke(cli.status, [batch], catch_exceptions=False).output
+    assert "audit: 2 checked against target-only, 2 mismatches (speculative output differed" in (
+        human
+    )
+
+
+def test_the_rate_samples_greedy_lines(demo):
+    request = engine.GenerationRequest(prompt="x", max_tokens=2, temperature=0.0)
+    result = engine.generate(demo, request)
+    rng = random.Random(7)
+    draws = [audit.maybe_audit(demo, request, result, 0.25, rng) for _ in range(40)]
+    same = random.Random(7)
+    expected = [same.random() < 0.25 for _ in range(40)]
+    assert [d is not None for d in draws] == expected and any(expected)
+    assert {d for d in draws if d is not None} == {True}
+    assert audit.maybe_audit(demo, request, result, 0.0, rng) is None
+
+
+def test_nothing_is_counted_into_a_deleted_batch(redis_env):
+    assert not audit.record_audit(redis_env.conn, redis_env.keys, redis_env.batch_id(), True)
+    assert not redis_env.conn.exists(redis_env.keys.batch(redis_env.batch_id()))
+
+
+def test_status_without_audits_says_zero_and_prints_no_audit_line(redis_env, batch):
+    assert counts(redis_env, batch) == {"checked": 0, "mismatches": 0}
+    human = CliRunner().invoke(cli.status, [batch], catch_exceptions=False).output
+    assert "audit" not in human
+
+
+@pytest.mark.parametrize("rate", [-0.1, 1.5])
+def test_a_rate_outside_0_1_is_refused(redis_env, rate):
+    with pytest.raises(ValueError, match=f"audit rate must be in \\[0, 1\\], got {rate}"):
+        audit.Auditor(rate, redis_env.conn, redis_env.keys)

@@ -1,0 +1,136 @@
+"""Audit mode (`spec-worker --audit RATE`): check losslessness in production.
+
+A random share RATE of greedy requests is run a second time target-only (drafter
+"none", same pair, same request) and the two outputs are compared token by token.
+Greedy speculative decoding must reproduce target-only decoding exactly, so any
+difference is a bug (or a numerical tie the verify pass broke differently): it is
+logged with the line, and counted in the batch hash (`audit_checked`,
+`audit_mismatches`, shown by `spec-status`).
+
+The worker sets one `Auditor` at start-up (`set_auditor`); `worker.execute` calls
+`check` after each generation. Sampled requests are not audited: the same seed gives
+the same distribution, not the same tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+from dataclasses import dataclass, field
+
+from redis import Redis
+
+import engine
+from producer.keys import Keys
+from producer.progress import AUDIT_CHECKED, AUDIT_MISMATCHES
+
+log = logging.getLogger("specfleet.audit")
+
+__all__ = ["Auditor", "audit", "get_auditor", "maybe_audit", "record_audit", "set_auditor"]
+
+# Counts only into a batch that still exists: a deleted batch is not re-created.
+_RECORD = """
+if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
+redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
+if ARGV[3] == '0' then redis.call('HINCRBY', KEYS[1], ARGV[2], 1) end
+return 1
+"""
+
+
+def auditable(request: engine.GenerationRequest) -> bool:
+    """Greedy requests that speculate: only those have one right answer to compare."""
+    return request.temperature == 0 and request.drafter != "none"
+
+
+def audit(pair, request: engine.GenerationRequest, result: engine.GenerationResult) -> bool:
+    """Run `request` target-only on `pair`; True when it gives result's tokens and text.
+    Raises what engine.generate raises."""
+    reference = engine.generate(pair, dataclasses.replace(request, drafter="none"))
+    return reference.token_ids == result.token_ids and reference.text == result.text
+
+
+def maybe_audit(
+    pair,
+    request: engine.GenerationRequest,
+    result: engine.GenerationResult,
+    rate: float,
+    rng: random.Random,
+) -> bool | None:
+    """Audit with probability `rate` if the request is auditable: True (matched),
+    False (mismatch) or None (not audited)."""
+    if rate <= 0 or not auditable(request) or rng.random() >= rate:
+        return None
+    return audit(pair, request, result)
+
+
+def record_audit(conn: Redis, keys: Keys, batch_id: str, matched: bool) -> bool:
+    """Count one audit in the batch hash; False when the batch no longer exists."""
+    return bool(
+        conn.eval(
+            _RECORD,
+            1,
+            keys.batch(batch_id),
+            AUDIT_CHECKED,
+            AUDIT_MISMATCHES,
+            "1" if matched else "0",
+        )
+    )
+
+
+@dataclass
+class Auditor:
+    """Audit mode of one worker: the rate, its own random stream, where to count."""
+
+    rate: float
+    conn: Redis
+    keys: Keys
+    rng: random.Random = field(default_factory=random.Random)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.rate <= 1:
+            raise ValueError(f"audit rate must be in [0, 1], got {self.rate}")
+
+    def check(
+        self,
+        pair,
+        batch_id: str,
+        label: str,
+        request: engine.GenerationRequest,
+        result: engine.GenerationResult,
+    ) -> bool | None:
+        """Maybe audit one finished request and count it; `label` names it in logs.
+        An error of the target-only run is logged, not raised: the result stands."""
+        try:
+            matched = maybe_audit(pair, request, result, self.rate, self.rng)
+        except Exception:
+            log.exception("audit of %s %s could not run", batch_id, label)
+            return None
+        if matched is None:
+            return None
+        record_audit(self.conn, self.keys, batch_id, matched)
+        if matched:
+            log.info("audit %s %s: matches target-only", batch_id, label)
+        else:
+            log.error(
+                "audit %s %s: MISMATCH: speculative output differs from target-only "
+                "(drafter %s, %d tokens)",
+                batch_id,
+                label,
+                request.drafter,
+                len(result.token_ids),
+            )
+        return matched
+
+
+_auditor: Auditor | None = None
+
+
+def set_auditor(auditor: Auditor | None) -> None:
+    """Turn audit mode on (an Auditor) or off (None) for this process."""
+    global _auditor
+    _auditor = auditor
+
+
+def get_auditor() -> Auditor | None:
+    return _auditor
