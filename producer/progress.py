@@ -281,13 +281,17 @@ class RunProgress:
 
     `update_run(summary)` takes anything with `lines`, `completed`, `failed`,
     `completion_tokens` and `stats` (engine.SpecStats: its `to_dict()` is used), as
-    worker.local.RunSummary has; `total` is the number of lines of the file.
+    worker.local.RunSummary has; `total` is the number of lines of the file, and
+    `in_flight` how many lines the run decodes at once (shown as running), `model` the
+    alias it serves.
     """
 
     def __init__(
         self,
         total: int,
         batch_id: str,
+        in_flight: int = 1,
+        model: str | None = None,
         worker: str = "local",
         progress: Progress | None = None,
         clock: Callable[[], float] = time.monotonic,
@@ -295,6 +299,8 @@ class RunProgress:
     ):
         self.total = total
         self.batch_id = batch_id
+        self.in_flight = in_flight
+        self.model = model
         self.worker = worker
         progress_args.setdefault("file", sys.stderr)  # stdout may be a results file
         self.progress = progress or Progress(clock=clock, **progress_args)
@@ -314,7 +320,8 @@ class RunProgress:
         finished = done >= self.total
         rate = summary.completion_tokens / elapsed if elapsed > 0 else 0.0
         eta = 0.0 if finished else (elapsed * (self.total - done) / done if done else None)
-        status = "queued" if not done else "in_progress"
+        running = min(self.in_flight, self.total - done)
+        status = "in_progress"
         if finished:
             status = "completed" if summary.completed else "failed"
         return {
@@ -322,8 +329,8 @@ class RunProgress:
             "status": status,
             "request_counts": {
                 "total": self.total,
-                "queued": max(0, self.total - done - (0 if finished else 1)),
-                "running": 0 if finished else 1,
+                "queued": max(0, self.total - done - running),
+                "running": max(0, running),
                 "completed": summary.completed,
                 "failed": summary.failed,
             },
@@ -334,7 +341,7 @@ class RunProgress:
             "workers": [
                 {
                     "name": self.worker,
-                    "model": None,
+                    "model": self.model,
                     "completed": summary.completed,
                     "failed": summary.failed,
                     "tokens_per_second": round(rate, 2),

@@ -156,6 +156,12 @@ def test_spec_run_counters_become_a_status_object():
     assert s["eta_seconds"] == pytest.approx(20 / 3, abs=0.05)
     assert s["speculative_decoding"]["draft_acceptance_rate"] == 0.25
     assert s["speculative_decoding"]["mean_acceptance_length"] == 2.0
+    wide = RunProgress(total=5, batch_id="local1", in_flight=4, clock=lambda: now[0])
+    assert wide.state(Summary)["request_counts"]["running"] == 2  # only 2 lines left
+    Summary.lines, Summary.completed = 5, 4
+    assert wide.state(Summary)["status"] == "completed"
+    assert wide.state(Summary)["eta_seconds"] == 0.0
+    Summary.lines, Summary.completed = 3, 2
     with run:
         run.update_run(Summary)
         run.print("[3] line 3 c: 20 tokens")
