@@ -113,3 +113,29 @@ def test_status_without_audits_says_zero_and_prints_no_audit_line(redis_env, bat
 def test_a_rate_outside_0_1_is_refused(redis_env, rate):
     with pytest.raises(ValueError, match=f"audit rate must be in \\[0, 1\\], got {rate}"):
         audit.Auditor(rate, redis_env.conn, redis_env.keys)
+
+
+def _worker_has_audit_option() -> bool:
+    from worker.cli import worker
+
+    return any("--audit" in getattr(p, "opts", ()) for p in worker.params)
+
+
+@pytest.mark.skipif(not _worker_has_audit_option(), reason="spec-worker --audit not wired yet")
+def test_a_worker_with_audit_1_checks_every_greedy_line(redis_env, start_worker, tmp_path):
+    from conftest import PAIR_ARGS
+
+    path = tmp_path / "jobs.jsonl"
+    rows = [
+        {"custom_id": f"g{i}", "prompt": PROMPTS[i], "max_tokens": 6, "temperature": 0}
+        for i in range(3)
+    ]
+    rows.append({"custom_id": "s", "prompt": "x", "max_tokens": 6, "temperature": 0.9})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    batch_id = redis_env.batch_id()
+    assert redis_env.run("spec-submit", str(path), "--batch-id", batch_id).returncode == 0
+    worker = start_worker("--burst", "--audit", "1.0", *PAIR_ARGS)
+    assert worker.wait(timeout=180) == 0, worker.log
+    state = json.loads(redis_env.run("spec-status", batch_id, "--json").stdout)
+    assert state["request_counts"]["completed"] == 4
+    assert state["audit"] == {"checked": 3, "mismatches": 0}, worker.log
