@@ -21,6 +21,7 @@ from .types import (  # noqa: E402
     GenerationResult,
     InvalidRequestError,
     ModelLoadError,
+    RequestExpired,
     SpecStats,
     TokenizerMismatchError,
 )
@@ -34,6 +35,7 @@ __all__ = [
     "InvalidRequestError",
     "ModelLoadError",
     "ModelPair",
+    "RequestExpired",
     "SpecStats",
     "TokenizerMismatchError",
     "count_prompt_tokens",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 
 from .batch import BatchDecoder
 from .core import MAX_DRAFT_TOKENS, SpeculativeDecoder
@@ -22,6 +22,7 @@ from .types import (
     GenerationRequest,
     GenerationResult,
     InvalidRequestError,
+    RequestExpired,
     SpecStats,
 )
 
@@ -226,13 +227,18 @@ def _run(pair, request: GenerationRequest) -> Generator[str, None, GenerationRes
 
 
 def generate_many(
-    pair, requests: list[GenerationRequest], max_batch: int = 16
+    pair,
+    requests: Iterable[GenerationRequest],
+    max_batch: int = 16,
+    expired: Callable[[int], bool] | None = None,
 ) -> Iterator[tuple[int, GenerationResult | EngineError]]:
     """Run requests together in batches of up to max_batch rows.
 
     Yields (index, result) as each request finishes, or (index, error) for a
     request the engine refused (bad option, too long); the others go on. A new
-    request joins as soon as a row frees up.
+    request joins as soon as a row frees up: `requests` is read lazily. After
+    every step, rows for which `expired(index)` is true are dropped and yielded
+    as (index, RequestExpired).
     """
     batch = BatchDecoder(pair)
     runs: dict[int, RequestRun] = {}
@@ -268,6 +274,10 @@ def generate_many(
                 batch.remove(i)
                 del runs[i]
                 yield i, run.result()
+        for i in [i for i in runs if expired is not None and expired(i)]:
+            batch.remove(i)
+            del runs[i]
+            yield i, RequestExpired(f"request {i} ran past its deadline")
 
 
 def stream(pair, request: GenerationRequest) -> Iterator[str]:

@@ -32,6 +32,10 @@ class InvalidRequestError(EngineError):
     """A request the engine cannot run as given (bad option, missing draft...)."""
 
 
+class RequestExpired(EngineError):
+    """A batched request was dropped because its caller's deadline passed."""
+
+
 class CacheError(EngineError):
     """A KV cache cannot be rolled back, so speculation would corrupt output."""
 

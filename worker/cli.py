@@ -74,12 +74,20 @@ def _load_pair(name: str, target: str | None, draft: str | None):
 @click.option("--max-jobs", type=click.IntRange(min=1), metavar="N", help="Exit after N jobs.")
 @click.option("--name", metavar="NAME", help="Worker name (default: host.pid).")
 @click.option(
+    "--batch",
+    "max_batch",
+    default=1,
+    show_default=True,
+    type=click.IntRange(1, 256),
+    help="Jobs decoded together: claims up to N queued lines and batches them.",
+)
+@click.option(
     "--log-level",
     default="INFO",
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
-def worker(redis_url, target, draft, alias, burst, max_jobs, name, log_level):
+def worker(redis_url, target, draft, alias, burst, max_jobs, name, max_batch, log_level):
     """Serve one model alias from its queue: load the pair once, run jobs in this process."""
     from worker.jobs import WorkerContext, set_context
     from worker.rqworker import SafeJob, SpecWorker
@@ -113,6 +121,7 @@ def worker(redis_url, target, draft, alias, burst, max_jobs, name, log_level):
         serializer=JSONSerializer,
         job_class=SafeJob,
         refused_key=keys.refused,
+        max_batch=max_batch,
         worker_ttl=60,
         maintenance_interval=30,
     )

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
@@ -38,6 +38,9 @@ class WorkerContext:
     conn: Redis
     keys: Keys
     ttl_s: int = 0
+    #: (batch id, line key) -> an Outcome computed in a batch (or an exception to
+    #: raise), handed to the job when RQ performs it (worker.rqbatch).
+    precomputed: dict = field(default_factory=dict)
 
 
 _context: WorkerContext | None = None
@@ -62,6 +65,9 @@ def run_request(batch_id: str, line_key: str) -> dict:
     """
     ctx = get_context()
     conn, keys = ctx.conn, ctx.keys
+    ready = ctx.precomputed.pop((batch_id, line_key), None)
+    if isinstance(ready, BaseException):
+        raise ready  # e.g. the job's timeout, met while it ran in a batch
     with conn.pipeline(transaction=False) as pipe:
         pipe.hexists(keys.results(batch_id), line_key)
         pipe.hexists(keys.errors(batch_id), line_key)
@@ -85,7 +91,7 @@ def run_request(batch_id: str, line_key: str) -> dict:
         )
     else:
         conn.hsetnx(keys.batch(batch_id), "started_at", f"{time.time():.3f}")
-        outcome = execute(ctx.pair, ctx.alias, batch_id, job)
+        outcome = ready if ready is not None else execute(ctx.pair, ctx.alias, batch_id, job)
     stored = store.store_line(
         conn,
         keys,

@@ -148,7 +148,7 @@ def _run_many(pair, alias: str, batch_id: str, jobs: list[JobLine], max_batch: i
     if max_batch > 1:
         done: dict[int, Outcome] = {}
         try:
-            for job, outcome in run_lines(pair, alias, batch_id, jobs, max_batch):
+            for job, outcome in run_lines(pair, alias, [(batch_id, j) for j in jobs], max_batch):
                 done[job.line] = outcome
             return done.items()
         except Exception:  # a request the batch cannot take: isolate it below

@@ -33,6 +33,7 @@ from rq import SimpleWorker
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.timeouts import BaseDeathPenalty
+from rq.worker import WorkerStatus
 
 from producer import config
 from producer.submit import FAILURE_CALLBACK, JOB_FUNCTION
@@ -144,11 +145,12 @@ class SpecWorker(SimpleWorker):
     """See the module docstring. Construct with `job_class=SafeJob` and the JSON
     serializer (worker.cli does)."""
 
-    def __init__(self, *args, refused_key: str, **kwargs):
+    def __init__(self, *args, refused_key: str, max_batch: int = 1, **kwargs):
         # Set before RQ's __init__, which reads dequeue_timeout.
         self.heartbeat_interval = config.heartbeat_interval_s()
         self.heartbeat_ttl = config.heartbeat_ttl_s()
         self.refused_key = refused_key
+        self.max_batch = max_batch
         self.cold_signum: int | None = None
         self._last_reap = 0.0
         super().__init__(*args, **kwargs)
@@ -160,8 +162,14 @@ class SpecWorker(SimpleWorker):
         if reason is not None:
             self.refuse(job.id, queue, reason)
             return
-        with _Heartbeat(self, job):
-            super().execute_job(job, queue)
+        if self.max_batch > 1:  # several lines decoded together (worker.rqbatch)
+            from worker.rqbatch import BatchSession
+
+            BatchSession(self, queue, self.max_batch).run(job)
+            self.set_state(WorkerStatus.IDLE)
+        else:
+            with _Heartbeat(self, job):
+                super().execute_job(job, queue)
         self.reap()
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):

@@ -1,0 +1,92 @@
+"""`spec-worker --batch N`: queued lines decoded together, with the queue's guarantees:
+the same lines as spec-run, each stored once, a killed worker's claimed jobs picked up
+again, and a job past its timeout failing alone."""
+
+from __future__ import annotations
+
+import re
+import signal
+import time
+
+from conftest import PAIR_ARGS
+from rq.registry import StartedJobRegistry
+from test_queue import LONG, _collect, comparable, mixed_lines, read_jsonl, write_jobs
+from test_queue_liveness import HEARTBEAT
+
+
+def _peak(log: str) -> int:
+    found = [int(n) for n in re.findall(r"up to (\d+) at once", log)]
+    return max(found, default=0)
+
+
+def test_batched_workers_write_what_spec_run_writes(redis_env, start_worker, tmp_path):
+    lines = mixed_lines(40)
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id("bat")
+    local = redis_env.run(
+        "spec-run",
+        jobs,
+        "-o",
+        str(tmp_path / "local.jsonl"),
+        "--batch-id",
+        batch,
+        "--batch",
+        "1",
+        *PAIR_ARGS,
+        timeout=400,
+    )
+    assert local.returncode == 0, local.stderr
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    workers = [start_worker("--burst", "--batch", "8", *PAIR_ARGS) for _ in range(2)]
+    for w in workers:
+        assert w.wait(timeout=400) == 0, w.log
+    assert max(_peak(w.log) for w in workers) > 1, "lines were never decoded together"
+    results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
+    expected = read_jsonl(tmp_path / "local.jsonl")
+    for got, want in zip(results, expected, strict=True):
+        assert comparable(got) == comparable(want)
+
+
+def test_a_killed_batched_workers_jobs_all_run_again_once(
+    redis_env, start_worker, slow_pair_args, tmp_path
+):
+    redis_env.env.update(HEARTBEAT)
+    lines = [{"custom_id": f"l{i}", **LONG} for i in range(5)]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    doomed = start_worker("--batch", "4", *slow_pair_args)
+    registry = StartedJobRegistry(redis_env.keys.queue_name("demo"), connection=redis_env.conn)
+    deadline = time.monotonic() + 60
+    while registry.get_job_count() < 4:  # four jobs claimed into one batch
+        assert time.monotonic() < deadline, doomed.log
+        time.sleep(0.05)
+    doomed.signal(signal.SIGKILL)
+    assert doomed.wait(timeout=10) == -signal.SIGKILL
+    survivor = start_worker("--burst", "--batch", "4", *slow_pair_args)
+    assert survivor.wait(timeout=300) == 0, survivor.log
+    results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [(r["custom_id"], r["error"]) for r in results] == [
+        (x["custom_id"], None) for x in lines
+    ]
+    assert int(redis_env.conn.hget(redis_env.keys.batch(batch), "completed")) == 5
+
+
+def test_a_batched_job_past_its_timeout_fails_alone(
+    redis_env, start_worker, slow_pair_args, tmp_path
+):
+    jobs = write_jobs(
+        tmp_path / "jobs.jsonl",
+        [{"custom_id": "slow", **LONG}, {"custom_id": "quick", "prompt": "x", "max_tokens": 2}],
+    )
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    redis_env.conn.hset(f"rq:job:{batch}-1", "timeout", 1)
+    worker = start_worker("--burst", "--batch", "4", *slow_pair_args)
+    assert worker.wait(timeout=180) == 0, worker.log
+    lines = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [(x["custom_id"], x["error"] and x["error"]["code"]) for x in lines] == [
+        ("slow", "timeout"),
+        ("quick", None),
+    ]
