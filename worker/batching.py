@@ -53,4 +53,4 @@ def run_lines(
             continue
         now = time.perf_counter()
         busy_ms, last = int((now - last) * 1000), now
-        yield job, outcome_of(alias, batch_id, job, seed, res, busy_ms)
+        yield job, outcome_of(alias, batch_id, job, seed, res, busy_ms, pair=pair)

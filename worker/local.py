@@ -70,6 +70,7 @@ def run_file(
     model_override: str | None = None,
     progress: Callable[[str], None] = lambda s: print(s, file=sys.stderr),
     max_batch: int = DEFAULT_BATCH,
+    on_summary: Callable[[RunSummary], None] | None = None,
 ) -> RunSummary:
     """Run every line of an already validated file; invalid lines become error lines.
 
@@ -117,6 +118,8 @@ def run_file(
             else:
                 summary.failed += 1
             progress(_progress_line(summary, entry, outcome))
+            if on_summary is not None:
+                on_summary(summary)
         window.clear()
 
     for item in validate_file(path, model_override, check):
