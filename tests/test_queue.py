@@ -43,7 +43,7 @@ def mixed_lines(n: int = 50) -> list[dict]:
         if i % 3 == 0:
             body["seed"] = 1000 + i
         if i % 4 == 1:
-            body["stop"] = ["\n", ")"]
+            body["stop"] = ["\n", ")", " ", "("]  # one of them shows up within a few tokens
         if i % 5 == 2:
             body["top_k"] = 20
             body["top_p"] = 0.9
