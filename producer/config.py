@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-from urllib.parse import urlsplit, urlunsplit
 
 #: Redis used when neither --redis, SPEC_REDIS_URL nor REDIS_URL is given.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -48,6 +47,17 @@ FAILURE_TTL_S = 7 * 24 * 3600
 #: until `spec-collect --delete`.
 RESULT_TTL_S = 0
 
+#: A result or error line longer than this many bytes is not stored: an error line
+#: saying so is stored instead, so one runaway request cannot fill Redis.
+MAX_RESULT_BYTES = 1024 * 1024
+
+#: Once connected, a command that loses Redis tries again after RECONNECT_BASE_S * 2^n
+#: seconds, at most RECONNECT_CAP_S apart, for ever (a restart is ridden out; Ctrl-C
+#: or SIGTERM stops). The first connection of a command is not retried: a wrong URL
+#: fails at once.
+RECONNECT_BASE_S = 0.25
+RECONNECT_CAP_S = 30.0
+
 #: Lines per Redis pipeline when enqueueing and collecting (bounds memory).
 CHUNK_LINES = 500
 
@@ -83,6 +93,16 @@ def result_ttl_s() -> int:
     return int(os.environ.get("SPEC_RESULT_TTL_S") or RESULT_TTL_S)
 
 
+def max_result_bytes() -> int:
+    """Largest result or error line stored, in bytes (SPEC_MAX_RESULT_BYTES)."""
+    return int(os.environ.get("SPEC_MAX_RESULT_BYTES") or MAX_RESULT_BYTES)
+
+
+def reconnect_cap_s() -> float:
+    """Longest wait between two reconnection attempts (SPEC_RECONNECT_CAP_S)."""
+    return float(os.environ.get("SPEC_RECONNECT_CAP_S") or RECONNECT_CAP_S)
+
+
 def heartbeat_interval_s() -> float:
     """Seconds between a running job's heartbeats (SPEC_HEARTBEAT_INTERVAL_S)."""
     return float(os.environ.get("SPEC_HEARTBEAT_INTERVAL_S") or HEARTBEAT_INTERVAL_S)
@@ -96,23 +116,28 @@ def heartbeat_ttl_s() -> int:
 def redact(url: str) -> str:
     """The URL with any password replaced by "***", safe to print or log.
 
+    Everything between "://" and the last "@" is user info: its password part is
+    hidden even when it holds characters a URL parser would misread ("#", "/", "?"),
+    and so is a `password=` query argument.
+
     >>> redact("redis://:s3cret@host:6379/0")
     'redis://:***@host:6379/0'
+    >>> redact("rediss://user:p#ss/w@host:6380/1?password=x&ssl_cert_reqs=none")
+    'rediss://user:***@host:6380/1?password=***&ssl_cert_reqs=none'
     """
-    try:
-        parts = urlsplit(url)
-    except ValueError:
-        return "<unparseable URL>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if ":" in host:
-        host = f"[{host}]"
-    netloc = f"{user}:***@{host}"
-    if parts.port is not None:
-        netloc += f":{parts.port}"
-    return urlunsplit((parts.scheme, netloc, parts.path, parts.query, parts.fragment))
+    scheme, sep, rest = url.partition("://")
+    if not sep:
+        return "<unparseable URL>" if "@" in url else url
+    userinfo, at, hostpart = rest.rpartition("@")
+    if at:
+        user, colon, _ = userinfo.partition(":")
+        # A user info without ":" may be a password written in the user's place.
+        userinfo = f"{user}:***" if colon else "***"
+        rest = f"{userinfo}@{hostpart}"
+    return f"{scheme}://" + _PASSWORD_ARG.sub(r"\1***", rest)
+
+
+_PASSWORD_ARG = re.compile(r"([?&][^=&#]*password=)[^&#]*", re.IGNORECASE)
 
 
 def job_timeout_s(max_tokens: int, prompt_chars: int) -> int:

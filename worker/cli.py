@@ -15,10 +15,16 @@ import sys
 import time
 
 import click
+import redis
 from rq.serializers import JSONSerializer
 
 from producer import config
-from producer.connection import RedisUnavailable, connect, warn_if_evicting
+from producer.connection import (
+    ReconnectingRetry,
+    RedisUnavailable,
+    connect,
+    warn_if_evicting,
+)
 from producer.jobfile import JobFileError
 from producer.keys import Keys
 from producer.submit import SubmitError, check_batch_id, new_batch_id, validate
@@ -90,7 +96,7 @@ def _load_pair(name: str, target: str | None, draft: str | None):
 def worker(redis_url, target, draft, alias, burst, max_jobs, name, max_batch, log_level):
     """Serve one model alias from its queue: load the pair once, run jobs in this process."""
     from worker.jobs import WorkerContext, set_context
-    from worker.rqworker import SafeJob, SpecWorker
+    from worker.rqworker import SafeJob
 
     _setup_logging(log_level)
     if alias is not None and not config.ALIAS_PATTERN.match(alias):
@@ -114,7 +120,7 @@ def worker(redis_url, target, draft, alias, burst, max_jobs, name, max_batch, lo
         "worker %s serving model %s from queue %s at %s", name, alias, queue, config.redact(url)
     )
     log.info("pair: %s", pair.info())
-    spec_worker = SpecWorker(
+    spec_worker = _worker_class()(
         [queue],
         name=name,
         connection=conn,
@@ -129,12 +135,51 @@ def worker(redis_url, target, draft, alias, burst, max_jobs, name, max_batch, lo
     logging.getLogger("rq.worker").addFilter(crash)
     try:
         spec_worker.work(burst=burst, max_jobs=max_jobs, logging_level=log_level.upper())
+    except redis.exceptions.ConnectionError as exc:
+        if not spec_worker.stopping:
+            raise
+        # Asked to stop while Redis was away: a job it was running comes back through
+        # its heartbeat expiring, like a lost worker's.
+        log.warning("stopped while Redis at %s was unreachable: %s", config.redact(url), exc)
     finally:
         set_context(None)
     if spec_worker.cold_signum is not None:
         sys.exit(128 + spec_worker.cold_signum)
     if crash.message:
         _fail("spec-worker", crash.message)
+
+
+def _worker_class():
+    """SpecWorker that stops waiting for Redis once it is asked to stop.
+
+    The connection retries for ever while Redis is away (producer.connection). A first
+    stop signal to a busy worker keeps it waiting, so the job's result is stored when
+    Redis is back; a stop signal to an idle worker, or a second one, ends the waiting.
+    """
+    from rq.worker import WorkerStatus
+
+    from worker.rqworker import SpecWorker
+
+    class StoppableSpecWorker(SpecWorker):
+        stopping = False
+
+        def _give_up_on_redis(self) -> None:
+            self.stopping = True
+            retry = self.connection.get_retry()
+            if isinstance(retry, ReconnectingRetry):
+                retry.interrupt()
+
+        def request_stop(self, signum, frame):
+            if self.get_state() != WorkerStatus.BUSY:
+                self._give_up_on_redis()
+            self.stopping = True
+            super().request_stop(signum, frame)
+
+        def request_force_stop(self, signum, frame):
+            self._give_up_on_redis()
+            super().request_force_stop(signum, frame)
+
+    return StoppableSpecWorker
 
 
 class _CrashWatch(logging.Filter):
