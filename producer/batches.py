@@ -247,7 +247,7 @@ def _scores(conn: Redis, keys: Keys, batch_id: str) -> Iterator[list[int]]:
 def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
     """Queue again every line that ended in an error line and has a request (lines
     rejected at submit time have none: fix and re-submit those). Returns the count."""
-    _meta(conn, keys, batch_id)  # raises for an unknown batch
+    ttl = int(_meta(conn, keys, batch_id).get("result_ttl", 0))  # raises for an unknown batch
     failed = [_text(k) for k in conn.hkeys(keys.errors(batch_id))]
     retryable = []
     for i in range(0, len(failed), config.CHUNK_LINES):
@@ -267,7 +267,7 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
                 job_id = line_id(batch_id, job.line)
                 pipe.delete(f"rq:job:{job_id}")
                 pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", job_id)
-                jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job))
+                jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
             for alias, datas in jobs.items():
                 queue = queues.setdefault(
                     alias, Queue(keys.queue_name(alias), connection=conn, serializer=JSONSerializer)

@@ -83,6 +83,13 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
 @click.option(
     "--skip-invalid", is_flag=True, help="Enqueue the valid lines; invalid ones become error lines."
 )
+@click.option(
+    "--result-ttl",
+    type=click.IntRange(min=0),
+    metavar="SECONDS",
+    help="Delete the batch from Redis this long after its last write (0: keep until "
+    "spec-collect --delete) [default: $SPEC_RESULT_TTL_S, else keep].",
+)
 @click.option("--wait", is_flag=True, help="Wait until the batch is finished.")
 @click.option("-o", "--output", metavar="FILE", help="With --wait: write the results here.")
 @click.option(
@@ -92,7 +99,9 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
     help="With --wait: write error lines here (default: into -o).",
 )
 @_friendly_errors("spec-submit")
-def submit(jobs_file, redis_url, model, batch_id, skip_invalid, wait, output, errors_path):
+def submit(
+    jobs_file, redis_url, model, batch_id, skip_invalid, result_ttl, wait, output, errors_path
+):
     """Validate JOBS.jsonl and enqueue its lines as one batch.
 
     Every problem is printed as FILE:LINE: field: message. With any invalid line
@@ -118,7 +127,9 @@ def submit(jobs_file, redis_url, model, batch_id, skip_invalid, wait, output, er
         _say(f"spec-submit: {jobs_file}: no requests (the file is empty)")
         sys.exit(1)
 
-    report = enqueue_file(conn, keys, jobs_file, batch_id, config.DEFAULT_MODEL, model, checker)
+    report = enqueue_file(
+        conn, keys, jobs_file, batch_id, config.DEFAULT_MODEL, model, checker, result_ttl
+    )
     click.echo(batch_id)
     parts = [f"{report.enqueued} enqueued"]
     if report.invalid:
@@ -198,6 +209,9 @@ def status(batch_id, redis_url, as_json, watch):
         raise click.UsageError("--watch and --json do not go together (poll --json instead)")
     conn = connect(redis_url)
     keys = Keys.default()
+    warning = warn_if_evicting(conn)
+    if warning:
+        _say(f"warning: {warning}")
     if watch:
         _watch(conn, keys, batch_id, sys.stdout, "spec-status", redis_url)
         return

@@ -3,8 +3,8 @@
 With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
 
     P:batch:B            hash  batch meta and summed counters (created_at, source,
-                               models, cancelled, started_at, last_done_at, completed_at,
-                               completed, failed, prompt_tokens, completion_tokens,
+                               models, cancelled, result_ttl, started_at, last_done_at,
+                               completed_at, completed, failed, prompt_tokens, completion_tokens,
                                busy_ms, sd:<counter>, sd:hist:<i>, sd:dpp:<i>,
                                sd:app:<i>, sd:drafter:<name>)
     P:batch:B:requests   hash  line key -> the validated line (JobLine record, JSON)

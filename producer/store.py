@@ -2,22 +2,31 @@
 
 Every line is written through `store_line`: the line and its counters go in
 together, once per (batch, line key), even if a job runs twice. Counters are plain
-integers (HINCRBY), so batch, worker and fleet totals are exact sums.
+integers (HINCRBY), so batch, worker and fleet totals are exact sums. Each write
+renews the batch's TTL on every key of the batch (the batch's own `result_ttl`,
+set by `spec-submit --result-ttl`, else the writer's SPEC_RESULT_TTL_S), and a line
+over SPEC_MAX_RESULT_BYTES is replaced by an error line saying so.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 
 from redis import Redis
 
+from producer import config
 from producer.keys import Keys
+from producer.lines import dumps, error_line
+
+log = logging.getLogger("specfleet.store")
 
 _STORE = """
 -- KEYS: 1 meta, 2 results, 3 errors, 4 done, 5 batch workers, 6 worker stats,
 --       7 order, 8 requests, 9 submitting flag
 -- ARGV: 1 line key, 2 'result'|'error', 3 line JSON, 4 now, 5 worker ('' = none),
---       6 ttl seconds (0 = none), 7.. counter name / increment pairs
+--       6 ttl seconds when the batch sets none (0 = none), 7.. counter name / increment pairs
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
   return 0
 end
@@ -48,7 +57,7 @@ if done >= redis.call('ZCARD', KEYS[7]) and redis.call('EXISTS', KEYS[9]) == 0 t
   redis.call('HSETNX', KEYS[1], 'completed_at', ARGV[4])
 end
 if worker ~= '' then redis.call('EXPIRE', KEYS[6], 604800) end  -- worker stats: a week idle
-local ttl = tonumber(ARGV[6])
+local ttl = tonumber(redis.call('HGET', KEYS[1], 'result_ttl') or ARGV[6])
 if ttl > 0 then
   for _, i in ipairs({1, 2, 3, 4, 5, 7, 8}) do redis.call('EXPIRE', KEYS[i], ttl) end
 end
@@ -141,7 +150,18 @@ def store_line(
     ttl_s: int = 0,
 ) -> bool:
     """Write a result (ok) or error line and add its counters, atomically and only if
-    the line key has no line yet. Returns True when this call wrote it."""
+    the line key has no line yet. Returns True when this call wrote it.
+
+    A line longer than SPEC_MAX_RESULT_BYTES is not stored: an `invalid_request`
+    error line saying how long it was and what the limit is takes its place, without
+    counters, and a warning is logged. `ttl_s` applies when the batch has no
+    `result_ttl` of its own.
+    """
+    limit = config.max_result_bytes()
+    size = len(line_json.encode("utf-8"))
+    if size > limit:
+        line_json = _oversized(conn, keys, batch_id, line_key, line_json, size, limit)
+        ok, counters = False, None
     args: list = [line_key, "result" if ok else "error", line_json, f"{time.time():.3f}"]
     args += [worker or "", int(ttl_s)]
     for name, n in (counters or {}).items():
@@ -159,6 +179,26 @@ def store_line(
         keys.submitting(batch_id),
     ]
     return bool(conn.eval(_STORE, len(script_keys), *script_keys, *args))
+
+
+def _oversized(
+    conn: Redis, keys: Keys, batch_id: str, line_key: str, line_json: str, size: int, limit: int
+) -> str:
+    """The error line stored instead of a line over the size limit."""
+    try:
+        line = int(json.loads(line_json)["id"].rsplit("-", 1)[1])
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        line = int(conn.zscore(keys.order(batch_id), line_key) or 0)
+    custom_id = line_key[2:] if line_key.startswith("c:") else None
+    message = (
+        f"result line too large: {size} bytes, over the limit of {limit} bytes "
+        "(SPEC_MAX_RESULT_BYTES on the workers): ask for less (max_tokens, metadata) "
+        "or raise the limit"
+    )
+    log.warning(
+        "%s line %d (%s): %s; stored an error line instead", batch_id, line, custom_id, message
+    )
+    return dumps(error_line(batch_id, line, custom_id, "invalid_request", message))
 
 
 def classify(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> list[str]:

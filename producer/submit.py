@@ -5,6 +5,10 @@ every line and reports every problem; the second (only when the file is acceptab
 re-reads it and enqueues CHUNK_LINES lines per Redis pipeline. Re-submitting a batch
 id skips lines that already have a result or whose job is still queued or running,
 and runs again the lines that ended in an error line.
+
+A batch may carry a TTL (`result_ttl` in its hash): every key of the batch gets it at
+submit time, and every line stored later renews it (producer.store), so a batch that
+nobody collects frees its memory by itself.
 """
 
 from __future__ import annotations
@@ -99,28 +103,53 @@ def enqueue_file(
     default_model: str,
     model_override: str | None,
     check: Callable[[JobLine], LineError | None] | None,
+    result_ttl: int | None = None,
 ) -> SubmitReport:
     """Second pass: enqueue the valid lines of a validated file and store the invalid
-    ones as `invalid_request` error lines."""
+    ones as `invalid_request` error lines.
+
+    result_ttl: seconds every key of the batch lives after its last write (0: until
+    `spec-collect --delete`; None: as SPEC_RESULT_TTL_S says, else as before).
+    """
     report = SubmitReport(batch_id)
     meta = keys.batch(batch_id)
     created = time.time()
     flag = keys.submitting(batch_id)  # the batch cannot look finished while this is set
+    if result_ttl is None and config.result_ttl_s() > 0:
+        result_ttl = config.result_ttl_s()
     with conn.pipeline() as pipe:
         pipe.set(flag, 1, ex=SUBMITTING_TTL_S)
         pipe.hsetnx(meta, "created_at", f"{created:.3f}")
         pipe.hset(meta, "source", path.rsplit("/", 1)[-1])
+        if result_ttl is not None:
+            pipe.hset(meta, "result_ttl", int(result_ttl))
         pipe.zadd(keys.batches, {batch_id: created}, nx=True)
         pipe.execute()
+    ttl = int(conn.hget(meta, "result_ttl") or 0)  # this submission's, or an earlier one's
     queues: dict[str, Queue] = {}
     try:
         for chunk in _chunks(validate_file(path, model_override, check)):
             conn.expire(flag, SUBMITTING_TTL_S)
-            _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report)
+            _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report, ttl)
     finally:
         conn.delete(flag)
     _mark_if_finished(conn, keys, batch_id)
+    if result_ttl is not None:
+        apply_ttl(conn, keys, batch_id, ttl)
     return report
+
+
+def apply_ttl(conn: Redis, keys: Keys, batch_id: str, ttl: int) -> None:
+    """Give every key of the batch this TTL in seconds (0: remove any TTL)."""
+    with conn.pipeline(transaction=False) as pipe:
+        for key in keys.batch_keys(batch_id):
+            if key == keys.submitting(batch_id):
+                continue
+            if ttl > 0:
+                pipe.expire(key, ttl)
+            else:
+                pipe.persist(key)
+        pipe.execute()
 
 
 def _mark_if_finished(conn: Redis, keys: Keys, batch_id: str) -> None:
@@ -163,7 +192,7 @@ def _key_of(entry: JobLine | list[LineError]) -> str:
     return line_key(entry[0].custom_id, entry[0].line)
 
 
-def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report) -> None:
+def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report, ttl) -> None:
     line_keys = [_key_of(e) for e in chunk]
     states = store.classify(conn, keys, batch_id, line_keys)
     store.clear_errors(
@@ -192,7 +221,7 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report) -
                 pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", job_id)
             pipe.hset(keys.requests(batch_id), key, dumps(job.to_record()))
             pipe.hset(keys.batch(batch_id), f"model:{job.model}", 1)
-            jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job))
+            jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
             report.models[job.model] = report.models.get(job.model, 0) + 1
             report.enqueued += 1
         if jobs:
@@ -214,13 +243,16 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report) -
             store.store_line(conn, keys, batch_id, key, dumps(line), ok=False)
 
 
-def _job_data(batch_id: str, key: str, job: JobLine):
+def _job_data(batch_id: str, key: str, job: JobLine, ttl: int = 0):
+    """RQ's data for one line's job. A batch with a TTL keeps its failed RQ records no
+    longer than its lines."""
+    failure_ttl = min(config.FAILURE_TTL_S, ttl) if ttl > 0 else config.FAILURE_TTL_S
     return Queue.prepare_data(
         JOB_FUNCTION,
         args=[batch_id, key],
         timeout=config.job_timeout_s(job.params["max_tokens"], job.prompt_chars()),
         result_ttl=0,
-        failure_ttl=config.FAILURE_TTL_S,
+        failure_ttl=failure_ttl,
         description=f"{batch_id} line {job.line} ({job.custom_id})",
         job_id=line_id(batch_id, job.line),
         retry=Retry(max=config.JOB_RETRIES),
