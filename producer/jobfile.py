@@ -310,6 +310,13 @@ def validate_file(
 def parse_line(number: int, raw: bytes, model_override: str | None = None) -> list:
     """Parse one non-blank line: [JobLine] or a non-empty list of LineError."""
     try:
+        return _parse_line(number, raw, model_override)
+    except RecursionError:  # json and the checks below recurse once per level of nesting
+        return [LineError(number, None, "not valid JSON: nested too deeply")]
+
+
+def _parse_line(number: int, raw: bytes, model_override: str | None) -> list:
+    try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         bad = raw[exc.start : exc.start + 1].hex()
