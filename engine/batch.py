@@ -86,12 +86,13 @@ class BatchDecoder:
         if pair.draft is not None:
             self.d_rows, self.d_cache = make_ragged_cache(pair.draft, 0)
         self.d_members: list[_Row] = []  # rows in the draft cache, in its row order
+        self._joining: list[tuple[_Row, list[int]]] = []  # added, not yet prefilled
         controller = pair.controller
         self.costs = BatchCosts(controller.live) if controller else None
         self.greedy_probe = 0
 
     def __len__(self) -> int:
-        return len(self.rows)
+        return len(self.rows) + len(self._joining)
 
     # -- rows joining and leaving ------------------------------------------------
     def add(
@@ -106,29 +107,27 @@ class BatchDecoder:
         max_tokens: int,
         plan=None,
     ) -> None:
-        """Prefill a new row and append it to the batch."""
+        """Queue a new row; it is prefilled, with every row joining at the same
+        time in one batched pass, at the start of the next step."""
         fixed = None if num_draft_tokens == "auto" else int(num_draft_tokens)
         row = _Row(key, params, seed, drafter, fixed, plan, max_tokens, prompt_ids[-1])
-        self._prefill_into(self.pair.target, self.t_rows, prompt_ids[:-1])
-        if drafter == "model":
-            self._prefill_into(self.pair.draft, self.d_rows, prompt_ids[:-1])
-            row.draft_pending = [prompt_ids[-1]]
-            self.d_members.append(row)
-        elif drafter == "lookup":
+        row.draft_pending = [prompt_ids[-1]] if drafter == "model" else []
+        if drafter == "lookup":
             row.lookup = LookupIndex(list(prompt_ids))
-        self.rows.append(row)
+        self._joining.append((row, prompt_ids[:-1]))
 
-    def _prefill_into(self, model, rows, ids: list[int]) -> None:
-        new_rows, cache = make_ragged_cache(model, 1)
-        for i in range(0, len(ids), PREFILL_CHUNK):
-            chunk = ids[i : i + PREFILL_CHUNK]
-            model(mx.array([chunk]), cache=cache)
-            new_rows.advance(len(chunk), [len(chunk)])
-            mx.eval([c.state for c in cache])
-        rows.append(new_rows)
+    def _admit_joining(self) -> None:
+        joining, self._joining = self._joining, []
+        self.t_rows.append(_prefill_rows(self.pair.target, [ids for _, ids in joining]))
+        self.rows += [row for row, _ in joining]
+        drafted = [(row, ids) for row, ids in joining if row.drafter == "model"]
+        if drafted:
+            self.d_rows.append(_prefill_rows(self.pair.draft, [ids for _, ids in drafted]))
+            self.d_members += [row for row, _ in drafted]
 
     def remove(self, key) -> None:
         """Drop a finished (or cancelled) row."""
+        self._joining = [(row, ids) for row, ids in self._joining if row.key != key]
         keep = [i for i, r in enumerate(self.rows) if r.key != key]
         if len(keep) == len(self.rows):
             return
@@ -170,6 +169,8 @@ class BatchDecoder:
 
     def step(self) -> dict:
         """One draft + verify step for every row: {row key: Step}."""
+        if self._joining:
+            self._admit_joining()
         greedy_k = self._greedy_k()
         ks = [self._row_k(r, greedy_k) for r in self.rows]
         t0 = time.perf_counter()
@@ -302,3 +303,16 @@ class BatchDecoder:
                 row.draft_pending = [nxt]
                 drop.append(depth - 1 - n)
         self.d_rows.drop_last(drop)
+
+
+def _prefill_rows(model, prompts: list[list[int]]):
+    """Prefill several prompts in one batched pass (right-padded; pads masked out)."""
+    rows, cache = make_ragged_cache(model, len(prompts))
+    longest = max(map(len, prompts), default=0)
+    for start in range(0, longest, PREFILL_CHUNK):
+        width = min(PREFILL_CHUNK, longest - start)
+        chunks = [p[start : start + width] for p in prompts]
+        model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=cache)
+        rows.advance(width, [len(c) for c in chunks])
+        mx.eval([c.state for c in cache])
+    return rows
