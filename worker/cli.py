@@ -88,13 +88,24 @@ def _load_pair(name: str, target: str | None, draft: str | None):
     help="Jobs decoded together: claims up to N queued lines and batches them.",
 )
 @click.option(
+    "--audit",
+    "audit_rate",
+    type=click.FloatRange(0, 1),
+    default=0.0,
+    metavar="RATE",
+    help="Re-run this share of greedy requests target-only and count mismatches (e.g. 0.01).",
+)
+@click.option(
     "--log-level",
     default="INFO",
     show_default=True,
     type=click.Choice(["DEBUG", "INFO", "WARNING", "ERROR"], case_sensitive=False),
 )
-def worker(redis_url, target, draft, alias, burst, max_jobs, name, max_batch, log_level):
+def worker(
+    redis_url, target, draft, alias, burst, max_jobs, name, max_batch, audit_rate, log_level
+):
     """Serve one model alias from its queue: load the pair once, run jobs in this process."""
+    from worker.audit import Auditor, set_auditor
     from worker.jobs import WorkerContext, set_context
     from worker.rqworker import SafeJob
 
@@ -112,6 +123,7 @@ def worker(redis_url, target, draft, alias, burst, max_jobs, name, max_batch, lo
     name = name or f"{socket.gethostname()}.{os.getpid()}"
     _register(conn, keys, pair, alias, name)
     set_context(WorkerContext(pair, alias, name, conn, keys, config.result_ttl_s()))
+    set_auditor(Auditor(audit_rate, conn, keys) if audit_rate else None)
     queue = keys.queue_name(alias)
     warning = warn_if_evicting(conn)
     if warning:
@@ -297,9 +309,21 @@ def run(
     out = open(output, "wb")
     errors_out = open(errors_path, "wb") if errors_path else out
     try:
-        summary = run_file(
-            pair, alias, jobs_file, batch_id, out, errors_out, model or None, _say, max_batch
-        )
+        from producer.progress import RunProgress
+
+        with RunProgress(valid + invalid, batch_id, in_flight=max_batch, model=alias) as shown:
+            summary = run_file(
+                pair,
+                alias,
+                jobs_file,
+                batch_id,
+                out,
+                errors_out,
+                model or None,
+                shown.print,
+                max_batch=max_batch,
+                on_summary=shown.update_run,
+            )
     finally:
         out.close()
         if errors_out is not out:
