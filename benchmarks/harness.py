@@ -40,6 +40,7 @@ class Tally:
     seconds: float = 0.0
     prefill_seconds: float = 0.0  # target (+ draft) prefill of the same prompts, measured apart
     outputs: list[list[int]] = field(default_factory=list)
+    rates: list[float] = field(default_factory=list)  # tokens/s on each prompt
     stats: engine.SpecStats | None = None
 
     def add(self, run: Run, seconds: float, prefill: float) -> None:
@@ -48,6 +49,7 @@ class Tally:
         self.seconds += seconds
         self.prefill_seconds += prefill
         self.outputs.append(run.tokens)
+        self.rates.append(len(run.tokens) / seconds if seconds else 0.0)
         if run.stats is not None:
             if self.stats is None:
                 self.stats = engine.SpecStats(drafter=run.stats.drafter)
