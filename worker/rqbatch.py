@@ -28,6 +28,7 @@ from rq.timeouts import JobTimeoutException
 from producer.jobfile import JobLine
 from worker.batching import run_lines
 from worker.jobs import get_context
+from worker.rqworker import _Heartbeat, vet
 
 log = logging.getLogger("specfleet.worker")
 
@@ -82,8 +83,6 @@ class BatchSession:
 
     def _next_jobs(self, first: Job):
         """Lines for the engine: the first job's, then more while the queue has them."""
-        from worker.rqworker import vet  # the same check every job passes
-
         claimed = self._claim(first)
         if claimed is not None:
             yield claimed
@@ -126,7 +125,7 @@ class BatchSession:
         def expired(line: JobLine) -> bool:
             return time.monotonic() > by_line[id(line)].deadline
 
-        with _Heartbeats(self):
+        with _Heartbeat(self.worker, self.running):
             try:
                 for line, outcome in run_lines(
                     ctx.pair, ctx.alias, lines(), self.max_batch, expired
@@ -152,6 +151,11 @@ class BatchSession:
                 raise
         log.info("decoded %d line(s) together, up to %d at once", self.lines, self.peak)
 
+    def running(self) -> list:
+        """(job, execution) of every claimed job not yet performed: kept alive."""
+        with self._lock:
+            return [(c.job, c.execution) for c in self.active.values()]
+
     def _perform(self, claimed: _Claimed) -> None:
         try:
             self.worker.perform_job(claimed.job, self.queue, claimed.execution)
@@ -162,32 +166,3 @@ class BatchSession:
         with self._lock:
             self.active.pop(claimed.job.id, None)
         get_context().precomputed.pop(tuple(claimed.job.args), None)
-
-
-class _Heartbeats:
-    """Keeps every claimed job of a session alive from a side thread."""
-
-    def __init__(self, session: BatchSession):
-        self.session = session
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeats", daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        worker = self.session.worker
-        while not self._stop.wait(worker.heartbeat_interval):
-            with self.session._lock:
-                claimed = list(self.session.active.values())
-            for c in claimed:
-                try:
-                    worker.maintain_heartbeats(c.job, c.execution)
-                except Exception as exc:  # Redis hiccup: try again next interval
-                    log.warning("heartbeat for job %s failed: %s", c.job.id, exc)
-            worker.reap()

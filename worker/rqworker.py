@@ -28,6 +28,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 from rq import SimpleWorker
 from rq.job import Job, JobStatus
@@ -114,10 +115,11 @@ class _NoDeathPenalty(BaseDeathPenalty):
 
 
 class _Heartbeat:
-    """Refreshes a running job's liveness from a side thread."""
+    """Refreshes running jobs' liveness from a side thread; `running()` lists the
+    (job, execution) pairs to keep alive (one, or a batch's)."""
 
-    def __init__(self, worker: SpecWorker, job: Job):
-        self._worker, self._job = worker, job
+    def __init__(self, worker: SpecWorker, running: Callable[[], list]):
+        self._worker, self._running = worker, running
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
 
@@ -131,14 +133,15 @@ class _Heartbeat:
 
     def _run(self) -> None:
         while not self._stop.wait(self._worker.heartbeat_interval):
-            execution = self._worker.execution
-            if execution is None:
-                continue
+            for job, execution in self._running():
+                try:
+                    self._worker.maintain_heartbeats(job, execution)
+                except Exception as exc:  # Redis hiccup: try again next interval
+                    log.warning("heartbeat for job %s failed: %s", job.id, exc)
             try:
-                self._worker.maintain_heartbeats(self._job, execution)
                 self._worker.reap()
-            except Exception as exc:  # Redis hiccup: try again next interval
-                log.warning("heartbeat for job %s failed: %s", self._job.id, exc)
+            except Exception as exc:
+                log.warning("reaping from the heartbeat thread failed: %s", exc)
 
 
 class SpecWorker(SimpleWorker):
@@ -168,7 +171,12 @@ class SpecWorker(SimpleWorker):
             BatchSession(self, queue, self.max_batch).run(job)
             self.set_state(WorkerStatus.IDLE)
         else:
-            with _Heartbeat(self, job):
+
+            def running():
+                execution = self.execution
+                return [(job, execution)] if execution is not None else []
+
+            with _Heartbeat(self, running):
                 super().execute_job(job, queue)
         self.reap()
 
