@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import pairs  # noqa: E402
 import prompts as prompt_sets  # noqa: E402
+import render  # noqa: E402
 import report  # noqa: E402
 import sections  # noqa: E402
 
@@ -38,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass(frozen=True)
 class Settings:
     total_params: int  # the widened target's size
-    prompts: int  # held-out code prompts for rows (a)-(e)
+    prompts: int  # held-out code prompts for rows (a)-(e), in each of two rounds
     prompt_tokens: int
     max_tokens: int
     lookup_prompts: int  # row (f)
@@ -126,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
 
     pair, upair, target_dir, facts = load_pairs(args, s)
     tok = pair.tokenizer
-    code = prompt_sets.code_prompts(tok, max(s.prompts, s.temp_prompts), s.prompt_tokens)
+    code = prompt_sets.code_prompts(tok, 2 * s.prompts, s.prompt_tokens)
+    survey_prompts, confirm_prompts = code[0::2], code[1::2]
     diff = check_function(pair, target_dir, code[:3])
     log(f"max |logit difference| widened vs original target: {diff:.2e}")
     facts["max |logit difference| vs the original target (3 prompts, all positions)"] = (
@@ -137,18 +139,25 @@ def main(argv: list[str] | None = None) -> int:
         "(every 10th selected file, as in scripts/train_demo_pair.py)"
     )
 
-    log("(a)-(e): greedy round robin")
-    greedy = sections.greedy(pair, upair, code[: s.prompts], s, log)
+    log("(a)-(e): greedy survey, every contender")
+    survey = sections.survey(pair, upair, survey_prompts, s, log)
+    kb = sections.best_k(survey, "b", s.mlx_ks)
+    kc = sections.best_k(survey, "c", s.our_ks)
+    log(f"(i): cost model (best in the survey: mlx-lm k={kb}, ours K={kc})")
+    costs = sections.cost_model(pair, survey_prompts[0][1], survey, s)
+    names = [sections.BASE, f"b{kb}", f"c{kc}"]
+    names += [f"c{costs.best}"] if costs.best != kc else []
+    log(f"(a)-(e): confirmation round: {', '.join(names)}, d, e")
+    confirm = sections.confirm(pair, upair, confirm_prompts, s, names + ["d", "e"], log)
     log("(f): prompt lookup")
     lookup = sections.lookup(pair, prompt_sets.lookup_prompts(tok, s.lookup_prompts), s, log)
     log("(g): acceptance at temperature 1")
-    accept = sections.temperature(pair, code[: s.temp_prompts], s, log)
-    log("(h): 32 jobs" if not args.quick else f"(h): {s.jobs} jobs")
+    sampled = sections.temperature(pair, survey_prompts[: s.temp_prompts], s, log)
+    log(f"(h): {s.jobs} jobs")
     jobs = sections.jobs(pair, prompt_sets.code_prompts(tok, s.jobs, s.prompt_tokens), s, log)
-    log("(i): cost model")
-    costs = sections.cost_model(pair, code[0][1], greedy, s)
 
-    md = sections.render(s, facts, greedy, lookup, accept, jobs, costs, args.quick)
+    results = render.Results(survey, confirm, kb, kc, lookup, sampled, jobs, costs)
+    md = render.render(s, facts, results, args.quick)
     print(md)
     report.update_section(args.out, "bench", md)
     log(f"wrote {args.out}")

@@ -8,6 +8,7 @@ and seconds per contender.
 
 from __future__ import annotations
 
+import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ class Run:
 
 @dataclass
 class Tally:
-    """Sums over the prompts one contender ran."""
+    """What one contender did on each prompt, and sums over the prompts."""
 
     tokens: int = 0
     steps: int = 0
@@ -41,15 +42,18 @@ class Tally:
     prefill_seconds: float = 0.0  # target (+ draft) prefill of the same prompts, measured apart
     outputs: list[list[int]] = field(default_factory=list)
     rates: list[float] = field(default_factory=list)  # tokens/s on each prompt
+    decode_rates: list[float] = field(default_factory=list)  # the same, prefill removed
     stats: engine.SpecStats | None = None
 
     def add(self, run: Run, seconds: float, prefill: float) -> None:
-        self.tokens += len(run.tokens)
+        n = len(run.tokens)
+        self.tokens += n
         self.steps += run.steps
         self.seconds += seconds
         self.prefill_seconds += prefill
         self.outputs.append(run.tokens)
-        self.rates.append(len(run.tokens) / seconds if seconds else 0.0)
+        self.rates.append(n / seconds if seconds else 0.0)
+        self.decode_rates.append(n / (seconds - prefill) if seconds > prefill else 0.0)
         if run.stats is not None:
             if self.stats is None:
                 self.stats = engine.SpecStats(drafter=run.stats.drafter)
@@ -65,11 +69,18 @@ class Tally:
         """Tokens per second, end to end (prefill included), as a user sees it."""
         return self.tokens / self.seconds if self.seconds else 0.0
 
-    @property
-    def decode_rate(self) -> float:
-        """Tokens per second once the prompt is in the caches (prefill time removed)."""
-        decode = self.seconds - self.prefill_seconds
-        return self.tokens / decode if decode > 0 else 0.0
+
+def ratios(t: Tally, base: Tally, decode: bool = False) -> list[float]:
+    """Per-prompt speed ratios of t over base (both ran each prompt back to back)."""
+    a, b = (t.decode_rates, base.decode_rates) if decode else (t.rates, base.rates)
+    return [x / y for x, y in zip(a, b, strict=True) if y]
+
+
+def median_ratio(t: Tally, base: Tally, decode: bool = False) -> float:
+    """The median of the per-prompt ratios: a load burst that hits one run of one
+    contender moves one ratio, not the result."""
+    r = ratios(t, base, decode)
+    return statistics.median(r) if r else 0.0
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,7 @@ ROWS = (
     + [f"(b) mlx-lm speculative, k={k}" for k in range(1, 9)]
     + [f"(c) ours, k={k}" for k in (1, 2, 3, 4, 6, 8)]
     + ['(d) ours, "auto"', '(e) ours, "auto", useless draft', '(f) ours, drafter "lookup"']
+    + ['(f\') ours, drafter "lookup"']
     + ["ours (speculative sampling)", "mlx-lm (", "(h) ours batched", "(h) ours sequential"]
     + ["(h) mlx-lm batch_generate"]
 )
