@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @dataclass(frozen=True)
 class Settings:
     total_params: int  # the widened target's size
-    prompts: int  # held-out code prompts for rows (a)-(e), in each of two rounds
+    prompts: int  # held-out code prompts for the survey of rows (a)-(e)
     prompt_tokens: int
     max_tokens: int
     lookup_prompts: int  # row (f)
@@ -51,13 +51,14 @@ class Settings:
     jobs: int  # row (h)
     job_max_tokens: int
     job_passes: int  # 2: every contender twice, order reversed the second time
-    cost_reps: int  # row (i): timed passes per size
+    cost_reps: int  # row (i): timed passes per size and prompt
+    confirm_prompts: int  # other prompts for the confirmation round of (a)-(e)
     mlx_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     our_ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
 
 
-FULL = Settings(100_000_000, 6, 64, 96, 4, 96, 4, 2, 4, 64, 32, 64, 2, 15)
-QUICK = Settings(6_000_000, 2, 32, 12, 2, 16, 2, 1, 4, 12, 8, 8, 1, 3)
+FULL = Settings(100_000_000, 6, 64, 96, 4, 96, 4, 2, 4, 64, 32, 64, 2, 2, 10)
+QUICK = Settings(6_000_000, 2, 32, 12, 2, 16, 2, 1, 4, 12, 8, 8, 1, 1, 2)
 
 
 def log(message: str) -> None:
@@ -100,9 +101,11 @@ def load_pairs(args, s: Settings):
         log(f"WARNING: slow BLAS: {info['blas']}")
     facts = {
         "BLAS": info["blas"],
-        "target": f"{target_dir} widened to intermediate_size {inter}: "
-        f"{info['target_parameters']:,} parameters (from {before:,}), fp32",
-        "draft": f"{draft_dir}: {info['draft_parameters']:,} parameters",
+        "target": f"{target_dir} (sha256 {pairs.digest(target_dir)}) widened to "
+        f"intermediate_size {inter}: {info['target_parameters']:,} parameters "
+        f"(from {before:,}), fp32",
+        "draft": f"{draft_dir} (sha256 {pairs.digest(draft_dir)}): "
+        f"{info['draft_parameters']:,} parameters",
         "useless draft": "same shape, random weights (seed 1234)",
     }
     return pair, upair, target_dir, facts
@@ -127,8 +130,9 @@ def main(argv: list[str] | None = None) -> int:
 
     pair, upair, target_dir, facts = load_pairs(args, s)
     tok = pair.tokenizer
-    code = prompt_sets.code_prompts(tok, 2 * s.prompts, s.prompt_tokens)
-    survey_prompts, confirm_prompts = code[0::2], code[1::2]
+    code = prompt_sets.code_prompts(tok, s.prompts + s.confirm_prompts, s.prompt_tokens)
+    survey_prompts = code[::2][: s.prompts]
+    confirm_prompts = [p for p in code if p not in survey_prompts]
     diff = check_function(pair, target_dir, code[:3])
     log(f"max |logit difference| widened vs original target: {diff:.2e}")
     facts["max |logit difference| vs the original target (3 prompts, all positions)"] = (
@@ -139,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
         "(every 10th selected file, as in scripts/train_demo_pair.py)"
     )
 
-    log("(a)-(e): greedy survey, every contender")
-    survey = sections.survey(pair, upair, survey_prompts, s, log)
+    log("(a)-(e): greedy survey, every contender, and (i)'s cost probes")
+    probe = sections.CostProbe(pair, s.cost_reps)
+    survey = sections.survey(pair, upair, survey_prompts, s, log, probe)
     kb = sections.best_k(survey, "b", s.mlx_ks)
     kc = sections.best_k(survey, "c", s.our_ks)
-    log(f"(i): cost model (best in the survey: mlx-lm k={kb}, ours K={kc})")
-    costs = sections.cost_model(pair, survey_prompts[0][1], survey, s)
+    costs = sections.cost_model(pair, probe, survey, s)
     names = [sections.BASE, f"b{kb}", f"c{kc}"]
     names += [f"c{costs.best}"] if costs.best != kc else []
     log(f"(a)-(e): confirmation round: {', '.join(names)}, d, e")

@@ -190,10 +190,14 @@ def round_robin(
     max_tokens: int,
     pair,
     log: Callable[[str], None] = print,
+    probe: Callable[[list[int]], None] | None = None,
 ) -> dict[str, Tally]:
-    """Run every contender on every prompt, the order rotated per prompt."""
+    """Run every contender on every prompt, the order rotated per prompt; `probe`
+    (cost measurements) runs once per prompt too, so it sees the same conditions."""
     tallies = {c.name: Tally() for c in contenders}
     for i, (name, ids) in enumerate(prompts):
+        if probe is not None:
+            probe(ids)
         pre_t = prefill_seconds(pair.target, ids)
         pre_d = prefill_seconds(pair.draft, ids) if pair.draft is not None else 0.0
         shift = i % len(contenders)

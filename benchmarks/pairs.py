@@ -28,7 +28,8 @@ WEIGHTS = "model.safetensors"
 VERSION = 1
 
 
-def _digest(model_dir: Path) -> str:
+def digest(model_dir: Path) -> str:
+    """First 12 hex digits of the sha256 of config.json + model.safetensors."""
     h = hashlib.sha256()
     for name in ("config.json", WEIGHTS):
         h.update((model_dir / name).read_bytes())
@@ -68,7 +69,7 @@ def widen(target_dir: Path, total_params: int, cache: Path = CACHE, seed: int = 
     """The target widened to ~total_params parameters (same function); cached."""
     target_dir = Path(target_dir)
     _, inter = widened_size(target_dir, total_params)
-    out = cache / f"widened-{_digest(target_dir)}-i{inter}-s{seed}-v{VERSION}"
+    out = cache / f"widened-{digest(target_dir)}-i{inter}-s{seed}-v{VERSION}"
     if (out / WEIGHTS).exists():
         return out
     config = json.loads((target_dir / "config.json").read_text())
@@ -102,7 +103,7 @@ def useless_draft(draft_dir: Path, cache: Path = CACHE, seed: int = 1234) -> Pat
     standard deviation, so activations keep a sane scale but carry no knowledge.
     """
     draft_dir = Path(draft_dir)
-    out = cache / f"useless-{_digest(draft_dir)}-s{seed}-v{VERSION}"
+    out = cache / f"useless-{digest(draft_dir)}-s{seed}-v{VERSION}"
     if (out / WEIGHTS).exists():
         return out
     config = json.loads((draft_dir / "config.json").read_text())

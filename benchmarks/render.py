@@ -187,8 +187,9 @@ def cost_section(s, costs: Costs, survey: dict[str, Tally], confirm: dict[str, T
     confirmed = median_ratio(confirm[f"c{kp}"], confirm[BASE], decode=True)
     return [
         "### (i) Cost model",
-        f"Measured on this pair at a {s.prompt_tokens}-token context: one target decode step "
-        f"{costs.step_s * 1000:.1f} ms; draft step cost ratio c = {costs.c:.3f} (the engine's "
+        "Costs measured on this pair at each survey prompt's context, once per prompt inside "
+        f"the round robin ({s.cost_reps} repetitions, medians): one target decode step "
+        f"{costs.step_s * 1000:.1f} ms; v(K) = a target pass over K + 1 tokens / that step; draft step cost ratio c = {costs.c:.3f} (the engine's "
         f"live model: {costs.engine_c:.3f}); per-token acceptance a = {costs.a:.3f} (pooled "
         "over the fixed-K runs of the survey). Predicted speedup = (1 - a^(K+1)) / (1 - a) / "
         "(v(K) + K c); ours = fixed K, decode-only, median per-prompt ratio vs (a).",

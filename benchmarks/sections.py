@@ -40,11 +40,11 @@ def greedy_contenders(pair, upair, s) -> list[Contender]:
     return out
 
 
-def survey(pair, upair, prompts, s, log) -> dict[str, Tally]:
+def survey(pair, upair, prompts, s, log, probe=None) -> dict[str, Tally]:
     """Round 1: every contender on every prompt (rows (a)-(e) in full)."""
     contenders = greedy_contenders(pair, upair, s)
     harness.warm_up(contenders, prompts[0][1])
-    return harness.round_robin(contenders, prompts, s.max_tokens, pair, log)
+    return harness.round_robin(contenders, prompts, s.max_tokens, pair, log, probe)
 
 
 def best_k(tallies: dict[str, Tally], prefix: str, ks) -> int:
@@ -52,12 +52,12 @@ def best_k(tallies: dict[str, Tally], prefix: str, ks) -> int:
     return max(ks, key=lambda k: harness.median_ratio(tallies[f"{prefix}{k}"], tallies[BASE]))
 
 
-def confirm(pair, upair, prompts, s, names: list[str], log) -> dict[str, Tally]:
+def confirm(pair, upair, prompts, s, names: list[str], log, probe=None) -> dict[str, Tally]:
     """Round 2, on other prompts: only the contenders the targets compare, so picking
     the best K in round 1 (the luckiest of several noisy runs) does not bias them."""
     everyone = {c.name: c for c in greedy_contenders(pair, upair, s)}
     contenders = [everyone[n] for n in names]
-    return harness.round_robin(contenders, prompts, s.max_tokens, pair, log)
+    return harness.round_robin(contenders, prompts, s.max_tokens, pair, log, probe)
 
 
 # -- (f): prompt lookup on input-grounded prompts ----------------------------------------------
@@ -220,6 +220,44 @@ def _timed_pass(model, cache, n: int) -> float:
     return seconds
 
 
+class CostProbe:
+    """Times target passes over 1..9 tokens and a draft step at a prompt's context.
+
+    Called once per prompt inside the round robin, so the costs are measured under the
+    same conditions as the contenders; each repetition's sizes run back to back and
+    are kept as ratios to that repetition's 1-token pass.
+    """
+
+    SIZES = tuple(range(1, 10))
+
+    def __init__(self, pair, reps: int):
+        self.pair = pair
+        self.reps = reps
+        self.ratios: dict[int, list[float]] = {n: [] for n in self.SIZES}
+        self.step: list[float] = []
+        self.draft: list[float] = []
+        self.warm = False
+
+    def __call__(self, ids: list[int]) -> None:
+        t_cache = make_prompt_cache(self.pair.target)
+        d_cache = make_prompt_cache(self.pair.draft)
+        mx.eval(self.pair.target(mx.array([ids]), cache=t_cache))
+        mx.eval(self.pair.draft(mx.array([ids]), cache=d_cache))
+        sizes = list(self.SIZES)
+        for _ in range(self.reps + (0 if self.warm else 1)):
+            shift = len(self.step) % len(sizes)
+            times = {n: _timed_pass(self.pair.target, t_cache, n) for n in sizes[shift:]}
+            times.update({n: _timed_pass(self.pair.target, t_cache, n) for n in sizes[:shift]})
+            draft = _timed_pass(self.pair.draft, d_cache, 1)
+            if not self.warm:  # the very first repetition only warms up
+                self.warm = True
+                continue
+            self.step.append(times[1])
+            self.draft.append(draft / times[1])
+            for n in sizes:
+                self.ratios[n].append(times[n] / times[1])
+
+
 def per_token_acceptance(stats: engine.SpecStats) -> float:
     """Accepted draft tokens / draft tokens that were looked at (those after the first
     rejection of a step are never judged): the i.i.d. acceptance a of the cost model."""
@@ -230,34 +268,17 @@ def per_token_acceptance(stats: engine.SpecStats) -> float:
     return sum(app) / judged if judged else 0.0
 
 
-def cost_model(pair, context: list[int], t: dict[str, Tally], s) -> Costs:
-    """Time target passes over 1..9 tokens and a draft step at the prompt's context
-    (sizes interleaved, medians), and take acceptance from the fixed-K runs."""
-    t_cache, d_cache = make_prompt_cache(pair.target), make_prompt_cache(pair.draft)
-    mx.eval(pair.target(mx.array([context]), cache=t_cache))
-    mx.eval(pair.draft(mx.array([context]), cache=d_cache))
-    sizes = list(range(1, 10))
-    times: dict[int, list[float]] = {n: [] for n in sizes}
-    draft_times = []
-    for rep in range(s.cost_reps + 1):  # the first round warms up
-        for n in sizes[rep % len(sizes) :] + sizes[: rep % len(sizes)]:
-            seconds = _timed_pass(pair.target, t_cache, n)
-            if rep:
-                times[n].append(seconds)
-        seconds = _timed_pass(pair.draft, d_cache, 1)
-        if rep:
-            draft_times.append(seconds)
-    med = {n: statistics.median(times[n]) for n in sizes}
-    step = med[1]
-    verify = {k: med[k + 1] / step for k in range(0, 9)}
-    c = statistics.median(draft_times) / step
+def cost_model(pair, probe: CostProbe, t: dict[str, Tally], s) -> Costs:
+    """Costs from the probes (medians), acceptance from the survey's fixed-K runs."""
+    verify = {k: statistics.median(probe.ratios[k + 1]) for k in range(0, 9)}
+    c = statistics.median(probe.draft)
     pooled = engine.SpecStats(drafter="model")
     for k in s.our_ks:
         pooled.merge(t[f"c{k}"].stats)
     a = per_token_acceptance(pooled)
     live = pair.controller.live
     return Costs(
-        step_s=step,
+        step_s=statistics.median(probe.step),
         verify=verify,
         c=c,
         a=a,
