@@ -70,16 +70,36 @@ CHAT_TEMPLATE = (
 # Directories of the stdlib left out of the corpus: tests and GUI code are large and unlike the
 # ordinary library code the demo should imitate; site-packages is not the stdlib at all.
 SKIP_DIRS = {
-    "test", "tests", "idlelib", "tkinter", "turtledemo", "lib2to3", "ensurepip", "pydoc_data",
-    "site-packages", "dist-packages", "__pycache__", "encodings",
+    "test",
+    "tests",
+    "idlelib",
+    "tkinter",
+    "turtledemo",
+    "lib2to3",
+    "ensurepip",
+    "pydoc_data",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "encodings",
 }
 
 # Few, wide heads: on this CPU the attention softmax costs per head, so 4 x 64 trains faster than
 # 8 x 32 for the same FLOPs.
-TARGET_SHAPE = dict(hidden_size=256, num_hidden_layers=4, intermediate_size=704,
-                    num_attention_heads=4, num_key_value_heads=4)
-DRAFT_SHAPE = dict(hidden_size=128, num_hidden_layers=1, intermediate_size=384,
-                   num_attention_heads=2, num_key_value_heads=2)
+TARGET_SHAPE = dict(
+    hidden_size=256,
+    num_hidden_layers=4,
+    intermediate_size=704,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+)
+DRAFT_SHAPE = dict(
+    hidden_size=128,
+    num_hidden_layers=1,
+    intermediate_size=384,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+)
 
 START = time.monotonic()
 
@@ -228,8 +248,13 @@ def tokenizer_config(context: int) -> dict:
 def model_args(shape: dict, s: Settings) -> ModelArgs:
     """Llama ModelArgs for a ``shape`` (TARGET_SHAPE or DRAFT_SHAPE) under settings ``s``."""
     return ModelArgs(
-        model_type="llama", vocab_size=s.vocab_size, rms_norm_eps=1e-5, rope_theta=10000.0,
-        max_position_embeddings=s.context, tie_word_embeddings=True, **shape,
+        model_type="llama",
+        vocab_size=s.vocab_size,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        max_position_embeddings=s.context,
+        tie_word_embeddings=True,
+        **shape,
     )
 
 
@@ -274,15 +299,17 @@ def hf_config(shape: dict, s: Settings, eos_id: int, pad_id: int) -> dict:
 def sample_batch(stream: np.ndarray, rng: np.random.Generator, batch: int, seq: int) -> mx.array:
     """``batch`` random windows of ``seq + 1`` tokens from ``stream`` (inputs + shifted labels)."""
     starts = rng.integers(0, len(stream) - seq - 1, size=batch)
-    return mx.array(np.stack([stream[i:i + seq + 1] for i in starts]))
+    return mx.array(np.stack([stream[i : i + seq + 1] for i in starts]))
 
 
 def schedule(lr: float, steps: int) -> Callable[[mx.array], mx.array]:
     """Linear warm-up over 10% of ``steps`` (at least 10), then cosine decay to lr / 10."""
     warm = max(10, steps // 10)
     return optim.join_schedules(
-        [optim.linear_schedule(lr / 100, lr, warm),
-         optim.cosine_decay(lr, max(1, steps - warm), lr / 10)],
+        [
+            optim.linear_schedule(lr / 100, lr, warm),
+            optim.cosine_decay(lr, max(1, steps - warm), lr / 10),
+        ],
         [warm],
     )
 
@@ -316,8 +343,16 @@ def log_softmax(logits: mx.array) -> mx.array:
     return logits - mx.logsumexp(logits, axis=-1, keepdims=True)
 
 
-def train(model: Model, stream: np.ndarray, steps: int, lr: float, s: Settings, seed: int,
-          name: str, teacher: Model | None = None) -> float:
+def train(
+    model: Model,
+    stream: np.ndarray,
+    steps: int,
+    lr: float,
+    s: Settings,
+    seed: int,
+    name: str,
+    teacher: Model | None = None,
+) -> float:
     """Train ``model`` in place for ``steps`` AdamW steps on random windows of ``stream``
     (``s.seq_len`` tokens, doubled for the last ``s.long_frac`` of the steps). With a
     ``teacher`` the loss is ``kd_loss`` against it, else plain cross-entropy.
@@ -325,8 +360,7 @@ def train(model: Model, stream: np.ndarray, steps: int, lr: float, s: Settings, 
     rng = np.random.default_rng(seed)
     opt = optim.AdamW(learning_rate=schedule(lr, steps), betas=list(s.betas), weight_decay=0.01)
     long_from = round(steps * (1 - s.long_frac))
-    loss_fn = ce_loss if teacher is None else (
-        lambda m, x, t: kd_loss(m, x, t, s.kd_ce_weight))
+    loss_fn = ce_loss if teacher is None else (lambda m, x, t: kd_loss(m, x, t, s.kd_ce_weight))
     grad_fn = nn.value_and_grad(model, loss_fn)
     tail, t0 = [], time.monotonic()
     for step in range(1, steps + 1):
@@ -352,7 +386,7 @@ def train(model: Model, stream: np.ndarray, steps: int, lr: float, s: Settings, 
 def eval_windows(stream: np.ndarray, n: int, seq: int) -> mx.array:
     """``n`` evenly spaced windows of ``seq + 1`` tokens over the held-out ``stream``."""
     starts = np.linspace(0, len(stream) - seq - 1, n).astype(np.int64)
-    return mx.array(np.stack([stream[i:i + seq + 1] for i in starts]))
+    return mx.array(np.stack([stream[i : i + seq + 1] for i in starts]))
 
 
 def heldout_stats(target: Model, draft: Model, windows: mx.array) -> dict:
@@ -360,7 +394,7 @@ def heldout_stats(target: Model, draft: Model, windows: mx.array) -> dict:
     draft's argmax equals the target's, and each model's cross-entropy (nats/token)."""
     agree, ce_t, ce_d = [], [], []
     for i in range(0, windows.shape[0], 8):  # chunks of 8 keep memory small
-        x = windows[i:i + 8]
+        x = windows[i : i + 8]
         lt, ld = target(x[:, :-1]), draft(x[:, :-1])
         agree.append((lt.argmax(-1) == ld.argmax(-1)).astype(mx.float32).mean())
         ce_t.append(nn.losses.cross_entropy(lt, x[:, 1:]).mean())
@@ -385,8 +419,7 @@ def greedy_continue(model: Model, prompt: mx.array, n: int) -> list[int]:
     return out
 
 
-def simulate_speculation(target: Model, draft: Model, prompts: mx.array, n: int,
-                         k: int) -> dict:
+def simulate_speculation(target: Model, draft: Model, prompts: mx.array, n: int, k: int) -> dict:
     """Greedy speculative decoding replayed exactly: the target continues each prompt
     greedily for ``n`` tokens, the draft is run teacher-forced on the result, and the run of
     matching argmaxes decides how many of ``k`` proposals each verification would accept.
@@ -395,7 +428,7 @@ def simulate_speculation(target: Model, draft: Model, prompts: mx.array, n: int,
     for prompt in prompts:
         cont = greedy_continue(target, prompt, n)
         seq = mx.concatenate([prompt, mx.array(cont, dtype=prompt.dtype)])[None]
-        guess = draft(seq[:, :-1])[0, prompt.shape[0] - 1:].argmax(-1).tolist()
+        guess = draft(seq[:, :-1])[0, prompt.shape[0] - 1 :].argmax(-1).tolist()
         ok = [g == c for g, c in zip(guess, cont, strict=True)]
         matches.extend(ok)
         i = 0
@@ -415,10 +448,15 @@ def save_tokenizer(tok: Tokenizer, path: Path, context: int) -> None:
     """Write tokenizer.json, tokenizer_config.json and special_tokens_map.json to ``path``."""
     tok.save(str(path / "tokenizer.json"))
     write_json(path / "tokenizer_config.json", tokenizer_config(context))
-    write_json(path / "special_tokens_map.json", {
-        "bos_token": EOS, "eos_token": EOS, "pad_token": PAD,
-        "additional_special_tokens": [SYSTEM, USER, ASSISTANT],
-    })
+    write_json(
+        path / "special_tokens_map.json",
+        {
+            "bos_token": EOS,
+            "eos_token": EOS,
+            "pad_token": PAD,
+            "additional_special_tokens": [SYSTEM, USER, ASSISTANT],
+        },
+    )
 
 
 def save_model(model: Model, shape: dict, tok: Tokenizer, path: Path, s: Settings) -> None:
@@ -429,8 +467,10 @@ def save_model(model: Model, shape: dict, tok: Tokenizer, path: Path, s: Setting
     weights = dict(tree_flatten(model.parameters()))
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     write_json(path / "config.json", hf_config(shape, s, eos, pad))
-    write_json(path / "generation_config.json",
-               {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": pad})
+    write_json(
+        path / "generation_config.json",
+        {"bos_token_id": eos, "eos_token_id": eos, "pad_token_id": pad},
+    )
     save_tokenizer(tok, path, s.context)
 
 
@@ -453,8 +493,9 @@ def verify_dir(path: Path, trained: Model, probe: mx.array) -> tuple[Model, obje
     assert diff < 1e-4, f"{path}: reloaded logits differ by {diff}"
     text = "héllo 世界 🎉\n\tdef f(x):"
     assert tokenizer.decode(tokenizer.encode(text)) == text, "tokenizer does not round-trip"
-    chat = tokenizer.apply_chat_template([{"role": "user", "content": "Write a function"}],
-                                         add_generation_prompt=True)
+    chat = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Write a function"}], add_generation_prompt=True
+    )
     rendered = tokenizer.decode(chat)
     assert rendered == "<|user|>\nWrite a function\n<|assistant|>\n", repr(rendered)
     log(f"verified {path}: max logit diff {diff:.2e}, round-trip ok, chat template ok")
@@ -511,7 +552,7 @@ def write_readme(path: Path, r: dict, s: Settings) -> None:
         f"{s.max_corpus_mb} MB), PSF licence. Every {s.holdout_every}th file "
         f"({r['n_heldout']} files, {r['heldout_tokens']:,} tokens) is held out for evaluation.",
         f"- Training stream: {r['train_tokens']:,} tokens, including {r['n_chat']} chat-formatted "
-        "\"Write a function named ...\" examples cut from the training files.",
+        '"Write a function named ..." examples cut from the training files.',
         f"- Tokenizer: byte-level BPE (`tokenizers`), {s.vocab_size} entries. Special tokens: "
         + ", ".join(f"`{t}` = {i}" for i, t in enumerate(SPECIAL_TOKENS))
         + ". `<|endoftext|>` is bos, eos and the document separator; `<|pad|>` is padding.",
@@ -562,15 +603,19 @@ def write_readme(path: Path, r: dict, s: Settings) -> None:
 
 def fmt_stats(held: dict, spec: dict) -> str:
     """One log line from heldout_stats and simulate_speculation results."""
-    return (f"held-out agreement {held['agreement']:.3f}, CE target {held['target_ce']:.3f} "
-            f"draft {held['draft_ce']:.3f}; on target output agreement {spec['agreement']:.3f}, "
-            f"{spec['tokens_per_step']:.2f} tokens/verification")
+    return (
+        f"held-out agreement {held['agreement']:.3f}, CE target {held['target_ce']:.3f} "
+        f"draft {held['draft_ce']:.3f}; on target output agreement {spec['agreement']:.3f}, "
+        f"{spec['tokens_per_step']:.2f} tokens/verification"
+    )
 
 
 def fmt_shape(shape: dict) -> str:
     """'4 / 256 / 8 / 704' for a model shape dict."""
-    return (f"{shape['num_hidden_layers']} / {shape['hidden_size']} / "
-            f"{shape['num_attention_heads']} / {shape['intermediate_size']}")
+    return (
+        f"{shape['num_hidden_layers']} / {shape['hidden_size']} / "
+        f"{shape['num_attention_heads']} / {shape['intermediate_size']}"
+    )
 
 
 # ----------------------------------------------------------------------------- main
@@ -583,21 +628,30 @@ def parse_args(argv: list[str] | None = None) -> Settings:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--target-steps", type=int, default=Settings.target_steps)
     p.add_argument("--draft-ce-steps", type=int, default=Settings.draft_ce_steps)
-    p.add_argument("--draft-steps", type=int, default=Settings.draft_steps,
-                   help="distillation steps")
+    p.add_argument(
+        "--draft-steps", type=int, default=Settings.draft_steps, help="distillation steps"
+    )
     p.add_argument("--max-corpus-mb", type=float, default=Settings.max_corpus_mb)
     a = p.parse_args(argv)
-    return Settings(out=a.out, seed=a.seed, target_steps=a.target_steps,
-                    draft_ce_steps=a.draft_ce_steps, draft_steps=a.draft_steps,
-                    max_corpus_mb=a.max_corpus_mb)
+    return Settings(
+        out=a.out,
+        seed=a.seed,
+        target_steps=a.target_steps,
+        draft_ce_steps=a.draft_ce_steps,
+        draft_steps=a.draft_steps,
+        max_corpus_mb=a.max_corpus_mb,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
     """Build the corpus and tokenizer, train target then draft, save, verify, report."""
     s = parse_args(argv)
     np.random.seed(s.seed)
-    r: dict = {"timings": {}, "command": "`python " + " ".join(sys.argv) + "`",
-               "platform": f"{platform.machine()} {os.cpu_count()} CPUs, MLX {mx.__version__}"}
+    r: dict = {
+        "timings": {},
+        "command": "`python " + " ".join(sys.argv) + "`",
+        "platform": f"{platform.machine()} {os.cpu_count()} CPUs, MLX {mx.__version__}",
+    }
     mark = time.monotonic()
 
     def lap(name: str) -> None:
@@ -611,15 +665,19 @@ def main(argv: list[str] | None = None) -> None:
     train_texts, held_texts = read_texts(train_files), read_texts(held_files)
     chats = chat_examples(train_texts, limit=2000)
     r.update(n_files=len(files), n_heldout=len(held_files), n_chat=len(chats))
-    log(f"corpus: {len(train_files)} train files, {len(held_files)} held out, "
-        f"{len(chats)} chat examples")
+    log(
+        f"corpus: {len(train_files)} train files, {len(held_files)} held out, "
+        f"{len(chats)} chat examples"
+    )
     tok = train_tokenizer(train_texts + chats, s.vocab_size)
     assert tok.get_vocab_size() == s.vocab_size, tok.get_vocab_size()
     train_stream = encode_stream(tok, train_texts + chats)
     held_stream = encode_stream(tok, held_texts)
     r.update(train_tokens=len(train_stream), heldout_tokens=len(held_stream))
-    log(f"tokenizer: {tok.get_vocab_size()} entries; {len(train_stream):,} train tokens, "
-        f"{len(held_stream):,} held-out tokens")
+    log(
+        f"tokenizer: {tok.get_vocab_size()} entries; {len(train_stream):,} train tokens, "
+        f"{len(held_stream):,} held-out tokens"
+    )
     lap("corpus + tokenizer")
 
     target = make_model(TARGET_SHAPE, s, s.seed)
@@ -640,8 +698,7 @@ def main(argv: list[str] | None = None) -> None:
     r["spec_before"] = simulate_speculation(target, draft, prompts, 96, s.spec_k)
     log(f"before distillation: {fmt_stats(r['before'], r['spec_before'])}")
     lap("evaluation before distillation")
-    train(draft, train_stream, s.draft_steps, s.kd_lr, s, s.seed + 30, "draft-kd",
-          teacher=target)
+    train(draft, train_stream, s.draft_steps, s.kd_lr, s, s.seed + 30, "draft-kd", teacher=target)
     lap("draft distillation")
     r["after"] = heldout_stats(target, draft, windows)
     r["spec_after"] = simulate_speculation(target, draft, prompts, 96, s.spec_k)
