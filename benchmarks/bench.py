@@ -50,14 +50,14 @@ class Settings:
     temp_max_tokens: int
     jobs: int  # row (h)
     job_max_tokens: int
-    job_passes: int  # 2: every contender twice, order reversed the second time
+    job_passes: int  # batched and mlx-lm each pass; sequential in the first and last
     cost_reps: int  # row (i): timed passes per size and prompt
     confirm_prompts: int  # other prompts for the confirmation round of (a)-(e)
     mlx_ks: tuple[int, ...] = (1, 2, 3, 4, 5, 6, 7, 8)
     our_ks: tuple[int, ...] = (1, 2, 3, 4, 6, 8)
 
 
-FULL = Settings(100_000_000, 6, 64, 96, 4, 96, 4, 2, 4, 64, 32, 64, 2, 2, 10)
+FULL = Settings(100_000_000, 6, 64, 96, 4, 96, 4, 2, 4, 64, 32, 64, 6, 2, 10)
 QUICK = Settings(6_000_000, 2, 32, 12, 2, 16, 2, 1, 4, 12, 8, 8, 1, 1, 2)
 
 
