@@ -176,7 +176,8 @@ class DraftPlan:
         self.acceptance.observe(proposed, accepted)
         if self.shared is not None:
             self.shared.observe(proposed, accepted)
-            self.costs.observe(proposed, verify_s, draft_s)
+            # Only a model drafter's timing says what a draft step costs.
+            self.costs.observe(proposed, verify_s, draft_s if self.drafter == "model" else 0.0)
         if self.probing:
             # A failed probe waits twice as long before the next one.
             ok = accepted == proposed
