@@ -54,9 +54,14 @@ class CostModel:
         return max(range(k_max + 1), key=lambda k: (rates[k], -k))
 
     def observe(self, k: int, verify_s: float, draft_s: float) -> None:
-        """Fold one measured step into the moving averages."""
-        if k < len(self.verify):
-            self.verify[k] += EMA * (verify_s - self.verify[k])
+        """Fold one measured step into the moving averages.
+
+        The verify curve keeps its calibrated shape and moves as a whole: a load
+        burst while one K runs slows every K alike, and no K is shunned for good.
+        """
+        if k < len(self.verify) and self.verify[k] > 0:
+            factor = 1.0 + EMA * (verify_s / self.verify[k] - 1.0)
+            self.verify = [v * factor for v in self.verify]
         if k > 0 and draft_s > 0:
             self.draft_step += EMA * (draft_s / k - self.draft_step)
 
