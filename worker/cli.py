@@ -58,6 +58,18 @@ def _load_pair(name: str, target: str | None, draft: str | None):
         _fail(name, f"cannot load the model pair: {exc}")
 
 
+def _pair_options(func):
+    """--target and --draft, the same for spec-worker and spec-run."""
+    func = click.option(
+        "--draft",
+        metavar="DIR_OR_ID",
+        help="Draft model (default: the demo draft with the demo target).",
+    )(func)
+    return click.option(
+        "--target", metavar="DIR_OR_ID", help="Target model (default: the bundled demo target)."
+    )(func)
+
+
 @click.command()
 @click.option(
     "--redis",
@@ -65,14 +77,7 @@ def _load_pair(name: str, target: str | None, draft: str | None):
     metavar="URL",
     help="Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL, else redis://localhost:6379/0]",
 )
-@click.option(
-    "--target", metavar="DIR_OR_ID", help="Target model (default: the bundled demo target)."
-)
-@click.option(
-    "--draft",
-    metavar="DIR_OR_ID",
-    help="Draft model (default: the demo draft with the demo target).",
-)
+@_pair_options
 @click.option(
     "--alias", metavar="NAME", help="Model alias to serve (default: the pair's name, e.g. demo)."
 )
@@ -251,14 +256,7 @@ def _tokenizer_json(pair) -> str | None:
 @click.option(
     "--errors", "errors_path", metavar="FILE", help="Error lines file (default: into -o)."
 )
-@click.option(
-    "--target", metavar="DIR_OR_ID", help="Target model (default: the bundled demo target)."
-)
-@click.option(
-    "--draft",
-    metavar="DIR_OR_ID",
-    help="Draft model (default: the demo draft with the demo target).",
-)
+@_pair_options
 @click.option(
     "--model", metavar="ALIAS", help="Run every line on the loaded pair, whatever its model says."
 )
