@@ -26,6 +26,10 @@ PRIOR_WEIGHT = 4.0
 DECAY = 0.9
 EMA = 0.1
 PROBE_FIRST, PROBE_MAX = 8, 64
+# Lookup drafts cost no draft passes, so they may run longer than model drafts.
+LOOKUP_MAX_DRAFT = 12
+# Acceptance of lookup drafts taken inside a model-drafted request (key in the controller).
+HYBRID_LOOKUP = "model+lookup"
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -145,12 +149,26 @@ class DraftController:
         return cls(live=live, static=static)
 
     def plan(self, drafter: str, greedy: bool, k_max: int = MAX_AUTO_DRAFT) -> DraftPlan:
-        """Start the per-request schedule for one request."""
+        """Start the per-request schedule for one request.
+
+        A greedy request drafted by the model also gets a `lookup` sub-plan: on steps
+        where the text so far repeats itself (its last two tokens occurred before),
+        the tokens that followed last time are a free draft (see core.py). Greedy
+        output does not depend on the drafts, so this changes speed only. Sampled
+        requests keep to their one drafter, so their schedule stays fixed.
+        """
         if greedy:
-            prior = self.acceptance.setdefault(drafter, Acceptance())
-            start = Acceptance(prior.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
-            return DraftPlan(self.live, start, k_max, drafter, shared=prior)
+            plan = self._greedy_plan(drafter, k_max)
+            if drafter == "model":
+                plan.lookup = self._greedy_plan(HYBRID_LOOKUP, LOOKUP_MAX_DRAFT)
+            return plan
         return DraftPlan(self.static, Acceptance(), k_max, drafter, shared=None)
+
+    def _greedy_plan(self, key: str, k_max: int) -> DraftPlan:
+        prior = self.acceptance.setdefault(key, Acceptance())
+        start = Acceptance(prior.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
+        drafter = "lookup" if key == HYBRID_LOOKUP else key
+        return DraftPlan(self.live, start, k_max, drafter, shared=prior)
 
 
 @dataclass
@@ -165,6 +183,7 @@ class DraftPlan:
     steps_since_probe: int = 0
     probe_interval: int = PROBE_FIRST
     probing: bool = False
+    lookup: DraftPlan | None = None  # free drafts from repeated text (greedy "model" only)
 
     def choose(self) -> int:
         k = self.costs.best_k(self.acceptance.rate, self.k_max, self.drafter == "model")

@@ -112,6 +112,31 @@ def test_caches_hold_exactly_the_accepted_text_after_every_step(demo, temperatur
     assert mx.allclose(fresh, cached, atol=1e-4).item()
 
 
+def test_greedy_auto_drafts_by_lookup_where_text_repeats_and_stays_exact(demo):
+    # "auto" with the model drafter also takes free lookup drafts once the text repeats
+    # itself; the draft model then owes those tokens and catches up on its next step.
+    text = "def parse(text):\n    for line in text.splitlines():\n        yield line\n\n"
+    ids = demo.tokenizer.encode(text * 3 + "def parse(text):\n    for")
+    ref = reference_greedy(demo, ids, 60)
+    plan = demo.controller.plan("model", greedy=True)
+    assert plan.lookup is not None
+    dec = SpeculativeDecoder(
+        demo, ids, SamplingParams(0.0), drafter="model", max_tokens=60, plan=plan
+    )
+    accepted, sources = list(ids), []
+    for step in dec.steps():
+        accepted += step.tokens
+        sources.append(step.source)
+        target_len, draft_len = dec.cache_lengths()
+        assert target_len == len(accepted) - 1
+        assert draft_len == len(accepted) - len(dec.draft_pending)
+        assert dec.draft_pending[-1] == accepted[-1]
+    assert accepted[len(ids) :] == ref
+    assert "lookup" in sources and "model" in sources, sources
+    # Sampled requests keep to their one drafter (their output depends on the drafts).
+    assert demo.controller.plan("model", greedy=False).lookup is None
+
+
 def test_stop_string_ends_text_before_it_even_across_blocks(demo):
     base = GenerationRequest(prompt="def fibonacci(n):", max_tokens=60, num_draft_tokens=4)
     full = engine.generate(demo, base).text
