@@ -48,6 +48,22 @@ def test_batched_workers_write_what_spec_run_writes(redis_env, start_worker, tmp
         assert comparable(got) == comparable(want)
 
 
+def test_max_jobs_counts_every_line_a_batched_worker_takes(redis_env, start_worker, tmp_path):
+    lines = mixed_lines(7)
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    queue = redis_env.keys.queue_name("demo")
+    first = start_worker("--burst", "--batch", "4", "--max-jobs", "5", *PAIR_ARGS)
+    assert first.wait(timeout=300) == 0, first.log
+    assert redis_env.conn.hlen(redis_env.keys.results(batch)) == 5
+    assert redis_env.conn.llen(f"rq:queue:{queue}") == 2
+    rest = start_worker("--burst", "--batch", "4", *PAIR_ARGS)
+    assert rest.wait(timeout=300) == 0, rest.log
+    results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
+
+
 def test_a_killed_batched_workers_jobs_all_run_again_once(
     redis_env, start_worker, slow_pair_args, tmp_path
 ):

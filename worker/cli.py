@@ -82,7 +82,12 @@ def _pair_options(func):
     "--alias", metavar="NAME", help="Model alias to serve (default: the pair's name, e.g. demo)."
 )
 @click.option("--burst", is_flag=True, help="Exit when the queue is empty.")
-@click.option("--max-jobs", type=click.IntRange(min=1), metavar="N", help="Exit after N jobs.")
+@click.option(
+    "--max-jobs",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="Exit after taking N jobs (lines), a batch's included.",
+)
 @click.option("--name", metavar="NAME", help="Worker name (default: host.pid).")
 @click.option(
     "--batch",

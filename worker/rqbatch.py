@@ -44,8 +44,10 @@ class _Claimed:
 class BatchSession:
     """Claim, decode together, and hand results to RQ; see the module docstring."""
 
-    def __init__(self, worker, queue: Queue, max_batch: int):
+    def __init__(self, worker, queue: Queue, max_batch: int, limit: int | None = None):
         self.worker, self.queue, self.max_batch = worker, queue, max_batch
+        self.limit = limit  # most jobs to take from the queue (--max-jobs), None: no limit
+        self.taken = 1  # jobs taken from the queue, the first one included
         self.active: dict[str, _Claimed] = {}  # job id -> claimed, not yet performed
         self._lock = threading.Lock()
         self.lines = 0
@@ -87,6 +89,8 @@ class BatchSession:
         if claimed is not None:
             yield claimed
         while not self.worker._stop_requested:
+            if self.limit is not None and self.taken >= self.limit:
+                return
             try:
                 found = Queue.dequeue_any(
                     [self.queue],
@@ -102,6 +106,7 @@ class BatchSession:
                 continue
             if found is None:
                 return
+            self.taken += 1
             job, _ = found
             reason = vet(job)
             if reason is not None:

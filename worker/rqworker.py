@@ -156,7 +156,13 @@ class SpecWorker(SimpleWorker):
         self.max_batch = max_batch
         self.cold_signum: int | None = None
         self._last_reap = 0.0
+        self.jobs_left: int | None = None  # --max-jobs budget, counted in lines
         super().__init__(*args, **kwargs)
+
+    def work(self, *args, max_jobs: int | None = None, **kwargs) -> bool:
+        # RQ counts one job per dequeue; a batch claims several, and each counts here.
+        self.jobs_left = max_jobs
+        return super().work(*args, max_jobs=max_jobs, **kwargs)
 
     # -- running only our job ---------------------------------------------------------
 
@@ -168,8 +174,14 @@ class SpecWorker(SimpleWorker):
         if self.max_batch > 1:  # several lines decoded together (worker.rqbatch)
             from worker.rqbatch import BatchSession
 
-            BatchSession(self, queue, self.max_batch).run(job)
+            session = BatchSession(self, queue, self.max_batch, limit=self.jobs_left)
+            session.run(job)
             self.set_state(WorkerStatus.IDLE)
+            if self.jobs_left is not None:
+                self.jobs_left -= session.taken
+                if self.jobs_left <= 0:
+                    log.info("worker %s: --max-jobs reached, stopping", self.name)
+                    self._stop_requested = True
         else:
 
             def running():
