@@ -20,7 +20,6 @@ from rq.serializers import JSONSerializer
 
 from producer import config
 from producer.connection import (
-    ReconnectingRetry,
     RedisUnavailable,
     connect,
     warn_if_evicting,
@@ -117,7 +116,7 @@ def worker(
     """Serve one model alias from its queue: load the pair once, run jobs in this process."""
     from worker.audit import Auditor, set_auditor
     from worker.jobs import WorkerContext, set_context
-    from worker.rqworker import SafeJob
+    from worker.rqworker import SafeJob, SpecWorker
 
     _setup_logging(log_level)
     if alias is not None and not config.ALIAS_PATTERN.match(alias):
@@ -142,7 +141,7 @@ def worker(
         "worker %s serving model %s from queue %s at %s", name, alias, queue, config.redact(url)
     )
     log.info("pair: %s", pair.info())
-    spec_worker = _worker_class()(
+    spec_worker = SpecWorker(
         [queue],
         name=name,
         connection=conn,
@@ -169,39 +168,6 @@ def worker(
         sys.exit(128 + spec_worker.cold_signum)
     if crash.message:
         _fail("spec-worker", crash.message)
-
-
-def _worker_class():
-    """SpecWorker that stops waiting for Redis once it is asked to stop.
-
-    The connection retries for ever while Redis is away (producer.connection). A first
-    stop signal to a busy worker keeps it waiting, so the job's result is stored when
-    Redis is back; a stop signal to an idle worker, or a second one, ends the waiting.
-    """
-    from rq.worker import WorkerStatus
-
-    from worker.rqworker import SpecWorker
-
-    class StoppableSpecWorker(SpecWorker):
-        stopping = False
-
-        def _give_up_on_redis(self) -> None:
-            self.stopping = True
-            retry = self.connection.get_retry()
-            if isinstance(retry, ReconnectingRetry):
-                retry.interrupt()
-
-        def request_stop(self, signum, frame):
-            if self.get_state() != WorkerStatus.BUSY:
-                self._give_up_on_redis()
-            self.stopping = True
-            super().request_stop(signum, frame)
-
-        def request_force_stop(self, signum, frame):
-            self._give_up_on_redis()
-            super().request_force_stop(signum, frame)
-
-    return StoppableSpecWorker
 
 
 class _CrashWatch(logging.Filter):

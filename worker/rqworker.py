@@ -17,7 +17,8 @@ forking after Metal is initialised crashes on macOS) with these changes:
   is busy.
 - Signals: the first SIGTERM/SIGINT finishes the current job, then exits 0; a second
   one stops now and puts the job back at the front of its queue (retries untouched)
-  for another worker, exiting 128 + the signal number.
+  for another worker, exiting 128 + the signal number. While Redis is unreachable, a
+  stop signal to an idle worker (or a second one) ends the wait for it.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ from rq.timeouts import BaseDeathPenalty
 from rq.worker import WorkerStatus
 
 from producer import config
+from producer.connection import ReconnectingRetry
 from producer.submit import FAILURE_CALLBACK, JOB_FUNCTION
 
 log = logging.getLogger("specfleet.worker")
@@ -155,6 +157,7 @@ class SpecWorker(SimpleWorker):
         self.refused_key = refused_key
         self.max_batch = max_batch
         self.cold_signum: int | None = None
+        self.stopping = False  # a stop signal has arrived
         self._last_reap = 0.0
         self.jobs_left: int | None = None  # --max-jobs budget, counted in lines
         super().__init__(*args, **kwargs)
@@ -274,8 +277,24 @@ class SpecWorker(SimpleWorker):
         self.reap(force=True)
 
     # -- stopping ---------------------------------------------------------------------
+    # The connection retries for ever while Redis is away (producer.connection). A first
+    # stop signal to a busy worker keeps it waiting, so the job's result is stored when
+    # Redis is back; a stop signal to an idle worker, or a second one, ends the waiting.
+
+    def _give_up_on_redis(self) -> None:
+        self.stopping = True
+        retry = self.connection.get_retry()
+        if isinstance(retry, ReconnectingRetry):
+            retry.interrupt()
+
+    def request_stop(self, signum, frame):
+        if self.get_state() != WorkerStatus.BUSY:
+            self._give_up_on_redis()
+        self.stopping = True
+        super().request_stop(signum, frame)
 
     def request_force_stop(self, signum, frame):
+        self._give_up_on_redis()
         log.warning("second %s: stopping now", signal.Signals(signum).name)
         self.cold_signum = signum
         raise ColdShutdown(signum)
