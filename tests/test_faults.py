@@ -316,7 +316,8 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
 # -- 3. Redis restarted mid-batch -------------------------------------------------------------
 
 
-def test_a_redis_restart_mid_batch_loses_nothing(private_redis, slow_pair_args, tmp_path):
+@pytest.mark.parametrize("rows", ["1", "4"])  # one line per job, or lines decoded together
+def test_a_redis_restart_mid_batch_loses_nothing(private_redis, slow_pair_args, tmp_path, rows):
     server, env = private_redis(*COMPOSE_ARGS)
     n = 40
     lines = [
@@ -324,7 +325,7 @@ def test_a_redis_restart_mid_batch_loses_nothing(private_redis, slow_pair_args, 
     ]
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = env.batch_id("restart")
-    workers = [env.start_worker(*slow_pair_args) for _ in range(2)]
+    workers = [env.start_worker("--batch", rows, *slow_pair_args) for _ in range(2)]
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     submit_log = tmp_path / "submit.log"
     with open(submit_log, "wb") as log:
@@ -364,7 +365,7 @@ def test_a_redis_restart_mid_batch_loses_nothing(private_redis, slow_pair_args, 
         assert w.wait(timeout=60) == 0, w.log
     attempts = sum(w.log.count(where) for w in workers)
     figures(
-        "redis restart",
+        "redis restart" if rows == "1" else f"redis restart, --batch {rows}",
         requests=n,
         workers=2,
         restarts=1,
