@@ -12,10 +12,11 @@ from click.testing import CliRunner
 
 import engine
 import engine.core
-from producer import cli
+from producer import cli, store
 from producer.jobfile import parse_line
+from producer.lines import dumps
 from worker import audit
-from worker.execute import execute
+from worker.execute import execute as run_line
 
 PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def __init__(self):"]
 
@@ -40,9 +41,30 @@ def batch(redis_env):
     batch_id = redis_env.batch_id()
     redis_env.conn.hset(redis_env.keys.batch(batch_id), "created_at", "0")
     redis_env.conn.zadd(redis_env.keys.order(batch_id), {"c:r0": 1})
-    audit.set_auditor(audit.Auditor(1.0, redis_env.conn, redis_env.keys, random.Random(0)))
+    audit.set_auditor(audit.Auditor(1.0, random.Random(0)))
     yield batch_id
     audit.set_auditor(None)
+
+
+@pytest.fixture
+def execute(redis_env):
+    """Run a line as a worker does: generate (and maybe audit), then store it once."""
+
+    def run(pair, alias, batch_id, line):
+        outcome = run_line(pair, alias, batch_id, line)
+        store.store_line(
+            redis_env.conn,
+            redis_env.keys,
+            batch_id,
+            f"c:{line.custom_id}",
+            dumps(outcome.line),
+            ok=outcome.ok,
+            counters=outcome.counters,
+            worker="w1",
+        )
+        return outcome
+
+    return run
 
 
 def counts(env, batch_id: str) -> dict:
@@ -51,7 +73,7 @@ def counts(env, batch_id: str) -> dict:
     return json.loads(status.output)["audit"]
 
 
-def test_at_rate_1_every_greedy_line_is_audited_and_matches(demo, redis_env, batch):
+def test_at_rate_1_every_greedy_line_is_audited_and_matches(demo, redis_env, batch, execute):
     greedy = [job(i, temperature=0) for i in range(3)]
     assert [execute(demo, "demo", batch, j).audited for j in greedy] == [True, True, True]
     # Not audited: sampled lines (no single right answer) and target-only lines.
@@ -63,7 +85,7 @@ def test_at_rate_1_every_greedy_line_is_audited_and_matches(demo, redis_env, bat
 
 
 def test_a_broken_speculative_path_is_reported_as_a_mismatch(
-    demo, redis_env, batch, monkeypatch, caplog
+    demo, redis_env, batch, execute, monkeypatch, caplog
 ):
     right = engine.core.accept_greedy
 
@@ -98,9 +120,12 @@ def test_the_rate_samples_greedy_lines(demo):
     assert audit.maybe_audit(demo, request, result, 0.0, rng) is None
 
 
-def test_nothing_is_counted_into_a_deleted_batch(redis_env):
-    assert not audit.record_audit(redis_env.conn, redis_env.keys, redis_env.batch_id(), True)
-    assert not redis_env.conn.exists(redis_env.keys.batch(redis_env.batch_id()))
+def test_a_line_that_runs_twice_is_counted_once(demo, redis_env, batch, execute):
+    # A job delivered twice (its worker froze past its heartbeat) is audited by both
+    # runs, but only the run that stores the line counts its audit.
+    line = job(0, temperature=0)
+    assert [execute(demo, "demo", batch, line).audited for _ in range(2)] == [True, True]
+    assert counts(redis_env, batch) == {"checked": 1, "mismatches": 0}
 
 
 def test_status_without_audits_says_zero_and_prints_no_audit_line(redis_env, batch):
@@ -112,7 +137,7 @@ def test_status_without_audits_says_zero_and_prints_no_audit_line(redis_env, bat
 @pytest.mark.parametrize("rate", [-0.1, 1.5])
 def test_a_rate_outside_0_1_is_refused(redis_env, rate):
     with pytest.raises(ValueError, match=f"audit rate must be in \\[0, 1\\], got {rate}"):
-        audit.Auditor(rate, redis_env.conn, redis_env.keys)
+        audit.Auditor(rate)
 
 
 def _worker_has_audit_option() -> bool:

@@ -5,7 +5,8 @@ A random share RATE of greedy requests is run a second time target-only (drafter
 Greedy speculative decoding must reproduce target-only decoding exactly, so any
 difference is a bug (or a numerical tie the verify pass broke differently): it is
 logged with the line, and counted in the batch hash (`audit_checked`,
-`audit_mismatches`, shown by `spec-status`).
+`audit_mismatches`, shown by `spec-status`) in the same write that stores the line,
+so a line that runs twice counts once.
 
 The worker sets one `Auditor` at start-up (`set_auditor`); `worker.execute` calls
 `check` after each generation. Sampled requests are not audited: the same seed gives
@@ -19,23 +20,12 @@ import logging
 import random
 from dataclasses import dataclass, field
 
-from redis import Redis
-
 import engine
-from producer.keys import Keys
 from producer.progress import AUDIT_CHECKED, AUDIT_MISMATCHES
 
 log = logging.getLogger("specfleet.audit")
 
-__all__ = ["Auditor", "audit", "get_auditor", "maybe_audit", "record_audit", "set_auditor"]
-
-# Counts only into a batch that still exists: a deleted batch is not re-created.
-_RECORD = """
-if redis.call('EXISTS', KEYS[1]) == 0 then return 0 end
-redis.call('HINCRBY', KEYS[1], ARGV[1], 1)
-if ARGV[3] == '0' then redis.call('HINCRBY', KEYS[1], ARGV[2], 1) end
-return 1
-"""
+__all__ = ["Auditor", "audit", "audit_counters", "get_auditor", "maybe_audit", "set_auditor"]
 
 
 def auditable(request: engine.GenerationRequest) -> bool:
@@ -64,27 +54,17 @@ def maybe_audit(
     return audit(pair, request, result)
 
 
-def record_audit(conn: Redis, keys: Keys, batch_id: str, matched: bool) -> bool:
-    """Count one audit in the batch hash; False when the batch no longer exists."""
-    return bool(
-        conn.eval(
-            _RECORD,
-            1,
-            keys.batch(batch_id),
-            AUDIT_CHECKED,
-            AUDIT_MISMATCHES,
-            "1" if matched else "0",
-        )
-    )
+def audit_counters(matched: bool) -> dict[str, int]:
+    """The batch counters of one audit; they are stored with the line, in the same
+    atomic write, so a line that runs twice is audited (and counted) once."""
+    return {AUDIT_CHECKED: 1, AUDIT_MISMATCHES: 0 if matched else 1}
 
 
 @dataclass
 class Auditor:
-    """Audit mode of one worker: the rate, its own random stream, where to count."""
+    """Audit mode of one worker: the rate and its own random stream."""
 
     rate: float
-    conn: Redis
-    keys: Keys
     rng: random.Random = field(default_factory=random.Random)
 
     def __post_init__(self) -> None:
@@ -99,8 +79,9 @@ class Auditor:
         request: engine.GenerationRequest,
         result: engine.GenerationResult,
     ) -> bool | None:
-        """Maybe audit one finished request and count it; `label` names it in logs.
-        An error of the target-only run is logged, not raised: the result stands."""
+        """Maybe audit one finished request; `label` names it in logs. The caller
+        counts it (audit_counters). An error of the target-only run is logged, not
+        raised: the result stands."""
         try:
             matched = maybe_audit(pair, request, result, self.rate, self.rng)
         except Exception:
@@ -108,7 +89,6 @@ class Auditor:
             return None
         if matched is None:
             return None
-        record_audit(self.conn, self.keys, batch_id, matched)
         if matched:
             log.info("audit %s %s: matches target-only", batch_id, label)
         else:

@@ -132,7 +132,7 @@ def worker(
     name = name or f"{socket.gethostname()}.{os.getpid()}"
     _register(conn, keys, pair, alias, name)
     set_context(WorkerContext(pair, alias, name, conn, keys, config.result_ttl_s()))
-    set_auditor(Auditor(audit_rate, conn, keys) if audit_rate else None)
+    set_auditor(Auditor(audit_rate) if audit_rate else None)
     queue = keys.queue_name(alias)
     warning = warn_if_evicting(conn)
     if warning:

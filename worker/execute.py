@@ -16,7 +16,7 @@ import engine
 from producer.jobfile import JobLine
 from producer.lines import effective_seed, error_line, result_line
 from producer.store import result_counters
-from worker.audit import get_auditor
+from worker.audit import audit_counters, get_auditor
 
 
 @dataclass(frozen=True)
@@ -74,6 +74,8 @@ def outcome_of(
     if auditor is not None and pair is not None:
         label = f"line {job.line} ({job.custom_id})"
         audited = auditor.check(pair, batch_id, label, to_request(job, seed), res)
+        if audited is not None:
+            counters.update(audit_counters(audited))
     return Outcome(True, line, counters, int(res.usage["completion_tokens"]), res.stats, audited)
 
 
