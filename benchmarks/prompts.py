@@ -91,11 +91,12 @@ LOOKUP_SEPARATOR = "\n\n# The same code, copied exactly:\n"
 
 
 def lookup_prompts(
-    tokenizer, n: int, head_tokens: int = 12, body_tokens: tuple[int, int] = (100, 160)
+    tokenizer, n: int, head_tokens: int = 12, body_tokens: tuple[int, int] = (60, 110)
 ) -> list[tuple[str, list[int]]]:
     """n input-grounded prompts: a held-out function of body_tokens tokens, then the
     start of the same function again, so the natural continuation copies from the prompt.
-    (Short functions: the demo pair was trained on windows of at most 256 tokens.)"""
+    (Short functions: the demo pair was trained on windows of at most 256 tokens, so the
+    prompt and 96 new tokens stay within that.)"""
     out = []
     for name, src in functions(200, 1000):
         body = tokenizer.encode(src, add_special_tokens=False)
