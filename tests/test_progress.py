@@ -305,10 +305,14 @@ def test_ctrl_c_stops_watching_and_leaves_the_batch(redis_env, tmp_path):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal: a test run started in the background (`cmd &` in a script)
+        # inherits SIGINT ignored, and Python then never raises KeyboardInterrupt.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
-    time.sleep(3)
+    first = proc.stdout.readline()  # watching has begun
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=30)
+    out = first + out
     assert proc.returncode == 130
     assert out.startswith(f"batch {batch} queued: 0/1 done; ")
     assert err.splitlines()[0] == f"spec-status: stopped watching; batch {batch} goes on"
