@@ -35,6 +35,7 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 4.0
 DECAY = 0.9
 EMA = 0.1
+SHAPE_EMA = 0.05
 PROBE_FIRST, PROBE_MAX = 8, 256
 # Speculation must beat plain decoding by this much in the model before it is used:
 # a step the model over-rates costs real time, one it under-rates costs nothing.
@@ -56,16 +57,22 @@ def expected_tokens(a: float, k: int) -> float:
 class PassCosts:
     """Seconds of one forward pass of a model over n positions (all rows together).
 
-    A piecewise-linear curve through measured points, extrapolated linearly past
-    the last, times a live scale factor that follows the machine's load.
+    A piecewise-linear curve through measured points (made non-decreasing: more
+    positions never cost less), extrapolated linearly past the last, times a live
+    scale factor that follows the machine's load, times a slower per-size
+    correction learnt from the pass sizes that actually run, so a curve measured
+    on a short context or under a load burst mends itself.
     """
 
     def __init__(self, points: dict[int, float]):
         self.sizes = sorted(points)
-        self.seconds = [points[s] for s in self.sizes]
+        self.seconds = []
+        for s in self.sizes:
+            self.seconds.append(max([points[s], *self.seconds[-1:]]))
         self.scale = 1.0
+        self.correction: dict[int, float] = {}
 
-    def _base(self, n: int) -> float:
+    def _curve(self, n: int) -> float:
         s, t = self.sizes, self.seconds
         if len(s) == 1:
             return t[0] * max(n, 1) / s[0]
@@ -77,13 +84,17 @@ class PassCosts:
         return max(t[lo] + slope * (n - s[lo]), 1e-9)
 
     def __call__(self, n: int) -> float:
-        return self._base(n) * self.scale
+        return self._curve(n) * self.correction.get(n, 1.0) * self.scale
 
     def observe(self, n: int, seconds: float) -> None:
-        """Fold one measured pass (or passes, as their mean) into the scale factor."""
-        base = self._base(n)
-        if base > 0 and seconds > 0:
-            self.scale += EMA * (seconds / base - self.scale)
+        """Fold one measured pass (or the mean of several) into the live factors."""
+        curve = self._curve(n) * self.correction.get(n, 1.0)
+        if curve <= 0 or seconds <= 0:
+            return
+        self.scale += EMA * (seconds / curve - self.scale)
+        # What the load factor does not explain belongs to this size.
+        c = self.correction.get(n, 1.0)
+        self.correction[n] = c + SHAPE_EMA * (seconds / (self._curve(n) * self.scale) - c)
 
 
 def static_pass_costs(per_position: float) -> PassCosts:
