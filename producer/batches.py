@@ -289,7 +289,7 @@ def collect(
     Raises OutputError when a file cannot be written (then no file was changed).
     """
     meta = _meta(conn, keys, batch_id)
-    targets = _targets(out_path, errors_path)
+    targets = check_outputs(out_path, errors_path)
     if delete:
         _check_final(conn, keys, batch_id)
     counts = {"results": 0, "errors": 0, "pending": 0}
@@ -374,9 +374,10 @@ def _corrupt_line(conn: Redis, keys: Keys, batch_id: str, line_key: str, where: 
     return dumps(error_line(batch_id, line, custom_id, "internal_error", message))
 
 
-def _targets(out_path: str, errors_path: str | None) -> dict[str, tuple[str, str]]:
-    """{option: (path as given, real path to replace)} for -o and --errors, checked
-    before any line is read. Raises OutputError."""
+def check_outputs(out_path: str, errors_path: str | None) -> dict[str, tuple[str, str]]:
+    """{option: (path as given, real path to replace)} for -o and --errors. Raises
+    OutputError when either cannot be written or both name one file (call it before
+    waiting for a batch, to fail at once)."""
     targets = {"-o": (out_path, _target("-o", out_path))}
     if errors_path:
         targets["--errors"] = (errors_path, _target("--errors", errors_path))
