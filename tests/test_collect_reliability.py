@@ -62,7 +62,11 @@ def _proc(tmp_path):
     return "/proc/version", "-o /proc/version: the file is read-only"
 
 
-@pytest.mark.parametrize("case", [_no_directory, _proc, _directory, _read_only])
+def _device(tmp_path):
+    return "/dev/null", "-o /dev/null: not a regular file"  # never renamed over, even by root
+
+
+@pytest.mark.parametrize("case", [_no_directory, _proc, _directory, _read_only, _device])
 def test_an_output_that_cannot_be_written_is_one_line_and_leaves_nothing(redis_env, tmp_path, case):
     batch = _finished_batch(redis_env, tmp_path)
     path, message = case(tmp_path)
@@ -110,14 +114,17 @@ def test_error_lines_are_not_written_over_the_results(redis_env, tmp_path, monke
     batch = _finished_batch(redis_env, tmp_path)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "link.jsonl").symlink_to("same.jsonl")
-    for errors in ("same.jsonl", str(tmp_path / "same.jsonl"), "link.jsonl", "./same.jsonl"):
+    (tmp_path / "same.jsonl").write_text("")
+    os.link(tmp_path / "same.jsonl", tmp_path / "hard.jsonl")
+    names = ("same.jsonl", str(tmp_path / "same.jsonl"), "link.jsonl", "./same.jsonl", "hard.jsonl")
+    for errors in names:
         result = _run(cli.collect, batch, "-o", "same.jsonl", "--errors", errors, "--delete")
         assert (result.exit_code, result.stderr) == (
             1,
             f"spec-collect: error: -o same.jsonl and --errors {errors} are the same file: "
             "give --errors another file, or leave it out to write error lines into -o\n",
         ), errors
-    assert not (tmp_path / "same.jsonl").exists()
+    assert (tmp_path / "same.jsonl").read_text() == ""
     assert redis_env.conn.exists(redis_env.keys.batch(batch))
     result = _run(cli.collect, batch, "-o", "same.jsonl", "--errors", "e.jsonl", "--delete")
     assert result.exit_code == 0, result.stderr
