@@ -59,16 +59,21 @@ def _text(value) -> str:
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
+def _first_line(exc: Exception) -> str:
+    return (str(exc) or type(exc).__name__).splitlines()[0]
+
+
 def _redis_refusals(func):
-    """A command Redis refuses (a key another program overwrote with the wrong type, a
-    script that meets damaged data) becomes one BatchError line, not a traceback."""
+    """A command Redis refuses (a key of the wrong type, a script that meets damaged
+    data, a full Redis) becomes one BatchError line, not a traceback."""
 
     @functools.wraps(func)
     def run(*args, **kwargs):
         try:
             return func(*args, **kwargs)
         except redis.exceptions.ResponseError as exc:
-            raise CorruptBatch(f"Redis refused a command: {str(exc).splitlines()[0]}") from exc
+            error = CorruptBatch if str(exc).startswith("WRONGTYPE") else BatchError
+            raise error(f"Redis refused a command: {_first_line(exc)}") from exc
 
     return run
 
@@ -166,7 +171,11 @@ def running_jobs(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> l
     out = []
     for alias in models:
         registry = StartedJobRegistry(keys.queue_name(alias), connection=conn)
-        out += [j for j in registry.get_job_ids(cleanup=False) if _is_batch_job(j, batch_id)]
+        try:
+            ids = registry.get_job_ids(cleanup=False)
+        except redis.exceptions.ResponseError as exc:  # WRONGTYPE: not RQ's zset any more
+            raise CorruptBatch(f"key {registry.key}: {_first_line(exc)}") from exc
+        out += [j for j in ids if _is_batch_job(j, batch_id)]
     return out
 
 

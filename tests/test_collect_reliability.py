@@ -239,6 +239,16 @@ def test_a_key_of_the_wrong_type_is_one_line_for_status_collect_and_report(redis
         1,
         f"spec-report: error: batch {batch}: {expected[7:]}",
     )
+    # RQ's own keys too: the started registry of the batch's queue.
+    redis_env.conn.delete(results)
+    registry = StartedJobRegistry(redis_env.keys.queue_name("demo"), connection=redis_env.conn)
+    redis_env.conn.set(registry.key, "oops")
+    result = _run(cli.status, batch)
+    assert (result.exit_code, result.stderr) == (
+        1,
+        f"spec-status: error: key {registry.key}: WRONGTYPE Operation against a key holding "
+        "the wrong kind of value\n",
+    )
 
 
 def test_a_non_json_line_is_written_as_an_internal_error_line(redis_env, tmp_path):
