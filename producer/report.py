@@ -55,7 +55,9 @@ def parse_line(obj: dict) -> Line:
     try:
         line = _parse(obj)
         summarize([line])
-    except (AttributeError, TypeError, ValueError, KeyError) as exc:
+        if not all(math.isfinite(t) for t in (line.created or 0.0, line.generation_ms)):
+            raise ValueError("a time that is not a finite number")
+    except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
         raise ReportError(f"not a result or error line ({type(exc).__name__}: {exc})") from exc
     return line
 
@@ -102,7 +104,7 @@ def read_jsonl(path: str) -> Iterator[Line]:
                 continue
             try:
                 yield parse_line(json.loads(text))
-            except (ReportError, ValueError) as exc:  # ValueError: not JSON
+            except (ReportError, ValueError, RecursionError) as exc:  # ValueError: not JSON
                 raise ReportError(f"{path}:{number}: {exc}") from exc
 
 

@@ -310,3 +310,29 @@ def test_a_request_record_that_cannot_be_parsed_is_named_by_retry(redis_env, tmp
         "(char 1))\n",
     )
     assert conn.hlen(keys.errors(batch)) == 2  # nothing was changed
+
+
+@pytest.mark.parametrize(
+    "body,problem",
+    [
+        ({"created": float("nan")}, "ValueError: a time that is not a finite number"),
+        ({"usage": {"prompt_tokens": 1e400}}, "OverflowError: cannot convert float infinity"),
+        ({"metrics": {"speculative_decoding": {"acceptance_histogram": "xx"}}}, "ValueError"),
+        ([1], "AttributeError: 'list' object has no attribute 'get'"),
+    ],
+)
+def test_report_counts_a_result_it_cannot_sum_as_internal_error(redis_env, tmp_path, body, problem):
+    batch = _finished_batch(redis_env, tmp_path, n=2)
+    conn, keys = redis_env.conn, redis_env.keys
+    bad = json.loads(_fake_result(batch, 1))
+    bad["response"]["body"] = body
+    conn.hset(keys.results(batch), "c:r1", json.dumps(bad))
+    page = tmp_path / "report.html"
+    shown = _run(report.main, batch, "-o", str(page))
+    assert shown.exit_code == 0, shown.stderr
+    warning, wrote = shown.stderr.splitlines()
+    assert warning.startswith(
+        f"spec-report: warning: key {keys.results(batch)} field c:r1: damaged stored line "
+        f"(not a result or error line ({problem}"
+    )
+    assert wrote == f"wrote {page}: 2 requests, 1 failed, 0 completion tokens"
