@@ -266,13 +266,18 @@ def status(batch_id, redis_url, as_json, watch):
 @click.option(
     "--delete",
     is_flag=True,
-    help="Delete the batch from Redis once written (finished batches only).",
+    help="Delete the batch from Redis once written (only when every line is final: "
+    "nothing queued or running).",
 )
 @_friendly_errors("spec-collect")
 def collect(batch_id, redis_url, output, errors_path, order, delete):
     """Write a batch's result lines (and error lines) to files."""
     conn = connect(redis_url)
-    counts = batches.collect(conn, Keys.default(), batch_id, output, errors_path, order, delete)
+    try:
+        counts = batches.collect(conn, Keys.default(), batch_id, output, errors_path, order, delete)
+    except batches.CorruptLines as exc:
+        _say(_collected(exc.counts, output, errors_path))
+        raise
     _say(_collected(counts, output, errors_path) + ("; deleted the batch" if delete else ""))
 
 
