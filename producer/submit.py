@@ -2,9 +2,13 @@
 
 Two passes over the file keep memory bounded whatever its size: the first validates
 every line and reports every problem; the second (only when the file is acceptable)
-re-reads it and enqueues CHUNK_LINES lines per Redis pipeline. Re-submitting a batch
-id skips lines that already have a result or whose job is still queued or running,
-and runs again the lines that ended in an error line.
+re-reads it and enqueues CHUNK_LINES lines per Redis transaction (MULTI/EXEC), so a
+chunk is written whole or not at all: a Redis that fills up (maxmemory) mid-file
+leaves whole jobs only, and says how many lines went in. Re-submitting a batch id
+skips lines that already have a result or whose job is still queued or running, and
+runs again the lines that ended in an error line, so the same command run again
+completes the batch. Until a submission of the batch completes, its `submitting`
+flag stays set and the batch cannot look finished.
 
 A batch may carry a TTL (`result_ttl` in its hash): every key of the batch gets it at
 submit time, and every line stored later renews it (producer.store), so a batch that
@@ -19,6 +23,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from redis import Redis
+from redis.exceptions import OutOfMemoryError
 from rq import Callback, Queue, Retry
 from rq.serializers import JSONSerializer
 
@@ -51,6 +56,20 @@ class InvalidJobFile(SubmitError):
         super().__init__(
             f"{invalid_lines} invalid line(s), {valid_lines} valid: nothing was enqueued "
             "(fix the lines, or pass --skip-invalid to run the valid ones)"
+        )
+
+
+class RedisFull(SubmitError):
+    """Redis refused a write (maxmemory reached, noeviction): the lines before it are
+    in, whole; the rest are not."""
+
+    def __init__(self, batch_id: str, handled: int, total: int | None):
+        self.handled = handled
+        of = f" of {total}" if total is not None else ""
+        super().__init__(
+            f"Redis is full (maxmemory reached): {handled}{of} lines enqueued; raise maxmemory "
+            f"or free memory, then run the same command with --batch-id {batch_id} to "
+            "enqueue the rest"
         )
 
 
@@ -104,14 +123,30 @@ def enqueue_file(
     model_override: str | None,
     check: Callable[[JobLine], LineError | None] | None,
     result_ttl: int | None = None,
+    total_lines: int | None = None,
 ) -> SubmitReport:
     """Second pass: enqueue the valid lines of a validated file and store the invalid
     ones as `invalid_request` error lines.
 
     result_ttl: seconds every key of the batch lives after its last write (0: until
     `spec-collect --delete`; None: as SPEC_RESULT_TTL_S says, else as before).
+    total_lines: the file's line count from the first pass, for messages.
+    Raises RedisFull when Redis refuses a write for lack of memory (the chunks before
+    are in, whole; the batch keeps its `submitting` flag until a re-submit completes).
     """
     report = SubmitReport(batch_id)
+    try:
+        _enqueue_file(
+            conn, keys, path, batch_id, default_model, model_override, check, result_ttl, report
+        )
+    except OutOfMemoryError as exc:
+        raise RedisFull(batch_id, report.lines, total_lines) from exc
+    return report
+
+
+def _enqueue_file(
+    conn, keys, path, batch_id, default_model, model_override, check, result_ttl, report
+) -> None:
     meta = keys.batch(batch_id)
     created = time.time()
     flag = keys.submitting(batch_id)  # the batch cannot look finished while this is set
@@ -131,12 +166,22 @@ def enqueue_file(
         for chunk in _chunks(validate_file(path, model_override, check)):
             conn.expire(flag, SUBMITTING_TTL_S)
             _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report, ttl)
-    finally:
-        conn.delete(flag)
+    except BaseException:
+        # Part of the file is in: the batch must not look finished before the rest is.
+        # (PERSIST needs no memory, so this works on a full Redis too.)
+        _keep_flag(conn, flag)
+        raise
+    conn.delete(flag)
     _mark_if_finished(conn, keys, batch_id)
     if result_ttl is not None:
         apply_ttl(conn, keys, batch_id, ttl)
-    return report
+
+
+def _keep_flag(conn: Redis, flag: str) -> None:
+    try:
+        conn.persist(flag)
+    except Exception:  # Redis gone as well: the flag's TTL still covers a while
+        pass
 
 
 def apply_ttl(conn: Redis, keys: Keys, batch_id: str, ttl: int) -> None:
@@ -192,14 +237,15 @@ def _key_of(entry: JobLine | list[LineError]) -> str:
     return line_key(entry[0].custom_id, entry[0].line)
 
 
-def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report, ttl) -> None:
+def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, total, ttl) -> None:
+    """Write one chunk in one MULTI/EXEC: its lines are all in, or none (then raises)."""
     line_keys = [_key_of(e) for e in chunk]
     states = store.classify(conn, keys, batch_id, line_keys)
-    store.clear_errors(
-        conn, keys, batch_id, [k for k, s in zip(line_keys, states, strict=True) if s == "error"]
-    )
+    report = SubmitReport(batch_id)  # this chunk's counts, added to `total` once written
     jobs: dict[str, list] = {}
-    with conn.pipeline(transaction=False) as pipe:
+    with conn.pipeline(transaction=True) as pipe:
+        rerun = [k for k, s in zip(line_keys, states, strict=True) if s == "error"]
+        store.clear_errors(pipe, keys, batch_id, rerun)
         for entry, key, state in zip(chunk, line_keys, states, strict=True):
             report.lines += 1
             line = entry.line if isinstance(entry, JobLine) else entry[0].line
@@ -232,15 +278,25 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report, t
                     keys.queue_name(alias), connection=conn, serializer=JSONSerializer
                 )
             queues[alias].enqueue_many(datas, pipeline=pipe)
+        # Invalid lines are written after their order entries exist, so totals add up.
+        for entry, key, state in zip(chunk, line_keys, states, strict=True):
+            if isinstance(entry, list) and state in ("new", "error"):
+                message = "; ".join(
+                    f"{e.field}: {e.message}" if e.field else e.message for e in entry
+                )
+                line = error_line(
+                    batch_id, entry[0].line, entry[0].custom_id, "invalid_request", message
+                )
+                store.store_line(pipe, keys, batch_id, key, dumps(line), ok=False)
         pipe.execute()
-    # Invalid lines are written after their order entries exist, so totals add up.
-    for entry, key, state in zip(chunk, line_keys, states, strict=True):
-        if isinstance(entry, list) and state in ("new", "error"):
-            message = "; ".join(f"{e.field}: {e.message}" if e.field else e.message for e in entry)
-            line = error_line(
-                batch_id, entry[0].line, entry[0].custom_id, "invalid_request", message
-            )
-            store.store_line(conn, keys, batch_id, key, dumps(line), ok=False)
+    total.lines += report.lines
+    total.enqueued += report.enqueued
+    total.invalid += report.invalid
+    total.already_done += report.already_done
+    total.already_pending += report.already_pending
+    total.rerun += report.rerun
+    for alias, n in report.models.items():
+        total.models[alias] = total.models.get(alias, 0) + n
 
 
 def _job_data(batch_id: str, key: str, job: JobLine, ttl: int = 0):

@@ -8,9 +8,15 @@ import json
 import subprocess
 import sys
 
-from conftest import script
+from click.testing import CliRunner
+from conftest import PAIR_ARGS, script
+from test_faults import private_redis  # noqa: F401 - a fixture
 
+from producer import cli, config
 from producer.tokencount import WINDOW_CHARS
+
+FULL_REDIS = ("--save", "", "--appendonly", "no", "--maxmemory", "4mb")
+FULL_REDIS += ("--maxmemory-policy", "noeviction")
 
 #: Peak RSS allowed to spec-submit refusing one prompt just under the 8 MiB line cap
 #: (it took 2.2 GB before counting stopped at the context).
@@ -57,3 +63,92 @@ def test_a_prompt_of_megabytes_is_refused_in_bounded_memory(redis_env, tmp_path)
     counted = int(first.split("at least ")[1].split(" ")[0])
     assert 1016 < counted <= WINDOW_CHARS  # one window counted, not the 2.8M tokens
     assert rss_mb < LONG_PROMPT_RSS_MB
+
+
+def _jobs(path, ids: list[str], pad: int = 0) -> str:
+    """One short greedy request per custom_id; `pad` bytes of metadata make lines big."""
+    meta = {"metadata": {"pad": "x" * pad}} if pad else {}
+    path.write_text(
+        "".join(
+            json.dumps({"custom_id": cid, "prompt": "def f(x):", "max_tokens": 1, **meta}) + "\n"
+            for cid in ids
+        )
+    )
+    return str(path)
+
+
+def _queued_jobs(env, batch: str) -> list[str]:
+    """Ids of the batch's jobs waiting in the demo queue (duplicates kept)."""
+    queue = f"rq:queue:{env.keys.queue_name('demo')}"
+    return [j.decode() for j in env.conn.lrange(queue, 0, -1) if j.decode().startswith(batch)]
+
+
+def _half_written(env, batch: str) -> list[str]:
+    """Job records of the batch that lack what a worker needs (a status alone)."""
+    out = []
+    for key in env.conn.scan_iter(match=f"rq:job:{batch}-*", count=1000):
+        if not env.conn.hexists(key, "data"):
+            out.append(key.decode())
+    return out
+
+
+def _collected(env, batch: str, tmp_path) -> list[dict]:
+    out = tmp_path / f"{batch}.jsonl"
+    run = env.run("spec-collect", batch, "-o", str(out))
+    assert run.returncode == 0, run.stderr
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+def _submit_in(env, monkeypatch, *args: str):
+    """spec-submit in this process (so CHUNK_LINES can be made small), against env."""
+    monkeypatch.setenv("SPEC_REDIS_URL", env.url)
+    monkeypatch.setenv("SPEC_KEY_PREFIX", env.prefix)
+    return CliRunner().invoke(cli.submit, list(args), catch_exceptions=False)
+
+
+def test_redis_full_mid_submit_is_one_line_and_a_resubmit_completes_the_batch_once(
+    private_redis,  # noqa: F811
+    tmp_path,
+    monkeypatch,
+):
+    server, env = private_redis(*FULL_REDIS)
+    monkeypatch.setattr(config, "CHUNK_LINES", 8)
+    ids = [f"r{i}" for i in range(60)]
+    jobs = _jobs(tmp_path / "jobs.jsonl", ids, pad=60_000)  # 3.6 MB: full mid-file
+    batch = env.batch_id()
+
+    full = _submit_in(env, monkeypatch, jobs, "--batch-id", batch)
+    assert full.exit_code == 1, full.stderr
+    assert "Traceback" not in full.stderr
+    (line,) = full.stderr.splitlines()
+    prefix = "spec-submit: error: Redis is full (maxmemory reached): "
+    assert line.startswith(prefix), line
+    enqueued = int(line[len(prefix) :].split(" ")[0])
+    assert 0 < enqueued < len(ids)
+    assert line == (
+        f"{prefix}{enqueued} of {len(ids)} lines enqueued; raise maxmemory or free memory, "
+        f"then run the same command with --batch-id {batch} to enqueue the rest"
+    )
+    # What is there is whole: as many complete jobs queued as the message says.
+    assert _half_written(env, batch) == []
+    assert len(set(_queued_jobs(env, batch))) == len(_queued_jobs(env, batch)) == enqueued
+    assert env.conn.hlen(env.keys.requests(batch)) == enqueued
+    assert env.run("spec-status", batch).stdout.splitlines()[0] == f"batch {batch}: queued"
+
+    env.conn.config_set("maxmemory", "64mb")
+    again = _submit_in(env, monkeypatch, jobs, "--batch-id", batch)
+    assert again.exit_code == 0, again.stderr
+    assert (
+        f"batch {batch}: {len(ids)} lines: {len(ids) - enqueued} enqueued, "
+        f"{enqueued} already queued or running"
+    ) in again.stderr
+    assert sorted(_queued_jobs(env, batch)) == sorted(set(_queued_jobs(env, batch)))
+    assert len(_queued_jobs(env, batch)) == len(ids)
+
+    worker = env.start_worker("--burst", *PAIR_ARGS)
+    assert worker.wait(timeout=240) == 0, worker.log
+    results = _collected(env, batch, tmp_path)
+    assert sorted(r["custom_id"] for r in results) == sorted(ids)
+    assert all(r["error"] is None for r in results)
+    status = json.loads(env.run("spec-status", batch, "--json").stdout)
+    assert (status["status"], status["request_counts"]["completed"]) == ("completed", len(ids))
