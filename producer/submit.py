@@ -17,6 +17,7 @@ nobody collects frees its memory by itself.
 
 from __future__ import annotations
 
+import json
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -29,8 +30,8 @@ from rq.serializers import JSONSerializer
 
 from producer import config, store
 from producer.jobfile import JobLine, LineError, validate_file
-from producer.keys import Keys, line_key
-from producer.lines import dumps, error_line, line_id
+from producer.keys import Keys, job_id, line_key
+from producer.lines import dumps, error_line
 
 #: The one function workers run; they refuse jobs naming anything else.
 JOB_FUNCTION = "worker.jobs.run_request"
@@ -241,6 +242,7 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, total, tt
     """Write one chunk in one MULTI/EXEC: its lines are all in, or none (then raises)."""
     line_keys = [_key_of(e) for e in chunk]
     states = store.classify(conn, keys, batch_id, line_keys)
+    stale = _stale_jobs(conn, keys, batch_id, chunk, line_keys, states)
     report = SubmitReport(batch_id)  # this chunk's counts, added to `total` once written
     jobs: dict[str, list] = {}
     with conn.pipeline(transaction=True) as pipe:
@@ -261,10 +263,9 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, total, tt
                 report.invalid += 1
                 continue
             job = entry if entry.model else entry.with_model(default_model)
-            if state == "error":  # forget the failed run's RQ job before enqueueing anew
-                job_id = line_id(batch_id, job.line)
-                pipe.delete(f"rq:job:{job_id}")
-                pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", job_id)
+            if key in stale:  # forget an earlier run's RQ job before enqueueing anew
+                pipe.delete(f"rq:job:{stale[key]}")
+                pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", stale[key])
             pipe.hset(keys.requests(batch_id), key, dumps(job.to_record()))
             pipe.hset(keys.batch(batch_id), f"model:{job.model}", 1)
             jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
@@ -299,6 +300,24 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, total, tt
         total.models[alias] = total.models.get(alias, 0) + n
 
 
+def _stale_jobs(conn, keys, batch_id, chunk, line_keys, states) -> dict[str, str]:
+    """line key -> job id of an earlier submission's job, for the lines about to be
+    enqueued again (an error line, or a job that is gone): it may sit in a registry."""
+    again = [
+        k
+        for e, k, s in zip(chunk, line_keys, states, strict=True)
+        if s in ("error", "new") and isinstance(e, JobLine)
+    ]
+    if not again:
+        return {}
+    records = conn.hmget(keys.requests(batch_id), again)
+    return {
+        k: job_id(batch_id, k, int(json.loads(r)["line"]))
+        for k, r in zip(again, records, strict=True)
+        if r is not None
+    }
+
+
 def _job_data(batch_id: str, key: str, job: JobLine, ttl: int = 0):
     """RQ's data for one line's job. A batch with a TTL keeps its failed RQ records no
     longer than its lines."""
@@ -310,7 +329,7 @@ def _job_data(batch_id: str, key: str, job: JobLine, ttl: int = 0):
         result_ttl=0,
         failure_ttl=failure_ttl,
         description=f"{batch_id} line {job.line} ({job.custom_id})",
-        job_id=line_id(batch_id, job.line),
+        job_id=job_id(batch_id, key, job.line),
         retry=Retry(max=config.JOB_RETRIES),
         on_failure=Callback(FAILURE_CALLBACK),
     )

@@ -152,3 +152,42 @@ def test_redis_full_mid_submit_is_one_line_and_a_resubmit_completes_the_batch_on
     assert all(r["error"] is None for r in results)
     status = json.loads(env.run("spec-status", batch, "--json").stdout)
     assert (status["status"], status["request_counts"]["completed"]) == ("completed", len(ids))
+
+
+def test_a_resubmitted_file_whose_lines_moved_answers_every_custom_id_once(
+    redis_env, start_worker, tmp_path, monkeypatch
+):
+    batch = redis_env.batch_id()
+    steps = [
+        (["a", "b", "c"], "3 lines: 3 enqueued"),
+        (["d", "a", "b", "c"], "4 lines: 1 enqueued, 3 already queued or running"),
+        (["c", "e", "a"], "3 lines: 1 enqueued, 2 already queued or running"),
+    ]
+    for i, (ids, said) in enumerate(steps):
+        jobs = _jobs(tmp_path / f"jobs{i}.jsonl", ids)
+        run = _submit_in(redis_env, monkeypatch, jobs, "--batch-id", batch)
+        assert run.exit_code == 0, run.stderr
+        assert f"batch {batch}: {said}" in run.stderr
+    queued = _queued_jobs(redis_env, batch)
+    assert len(queued) == len(set(queued)) == 5
+
+    assert start_worker("--burst", *PAIR_ARGS).wait(timeout=120) == 0
+    results = _collected(redis_env, batch, tmp_path)
+    # Each line keeps the line number of the file that enqueued it.
+    got = sorted((r["custom_id"], r["id"], r["error"]) for r in results)
+    assert got == [
+        ("a", f"{batch}-1", None),
+        ("b", f"{batch}-2", None),
+        ("c", f"{batch}-3", None),
+        ("d", f"{batch}-1", None),
+        ("e", f"{batch}-2", None),
+    ]
+    status = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
+    assert status["status"] == "completed"
+    assert status["request_counts"] == {
+        "total": 5,
+        "queued": 0,
+        "running": 0,
+        "completed": 5,
+        "failed": 0,
+    }
