@@ -245,9 +245,12 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, total, tt
     stale = _stale_jobs(conn, keys, batch_id, chunk, line_keys, states)
     report = SubmitReport(batch_id)  # this chunk's counts, added to `total` once written
     jobs: dict[str, list] = {}
+    # Dropped before the chunk's transaction: should that fail, these lines are "new"
+    # to the next submission, which enqueues them (the batch keeps its submitting flag).
+    store.clear_errors(
+        conn, keys, batch_id, [k for k, s in zip(line_keys, states, strict=True) if s == "error"]
+    )
     with conn.pipeline(transaction=True) as pipe:
-        rerun = [k for k, s in zip(line_keys, states, strict=True) if s == "error"]
-        store.clear_errors(pipe, keys, batch_id, rerun)
         for entry, key, state in zip(chunk, line_keys, states, strict=True):
             report.lines += 1
             line = entry.line if isinstance(entry, JobLine) else entry[0].line
