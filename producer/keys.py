@@ -14,6 +14,9 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
     P:batch:B:done       list  line keys in the order their line was written
     P:batch:B:workers    hash  "<counter>:<worker>" -> per-worker counters of this batch
     P:batch:B:submitting string set (with a TTL) while spec-submit is still enqueueing
+                               (without one after a submit that stopped part-way)
+    P:batch:B:submit-lock string a random token: held by the one spec-submit enqueueing B
+                               (SET NX PX, renewed while it runs, expires by itself)
     P:batches            zset  batch id -> created_at
     P:model:A            hash  a served alias: context_length, tokenizer_json, updated_at
     P:worker:W           hash  a worker's lifetime counters and model
@@ -101,6 +104,9 @@ class Keys:
 
     def submitting(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}:submitting"
+
+    def submit_lock(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:submit-lock"
 
     def batch_keys(self, batch_id: str) -> list[str]:
         """Every key of a batch (for TTLs and deletion)."""

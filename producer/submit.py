@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -72,6 +73,21 @@ class RedisFull(SubmitError):
             f"or free memory, then run the same command with --batch-id {batch_id} to "
             "enqueue the rest"
         )
+
+
+class BatchBusy(SubmitError):
+    """Another spec-submit of the same batch held its submit lock for as long as we
+    were willing to wait."""
+
+    def __init__(self, batch_id: str, waited_s: float):
+        super().__init__(
+            f"another spec-submit of batch {batch_id} is running (waited {waited_s:.0f} s); "
+            "run this one again once it has finished"
+        )
+
+
+class LostSubmitLock(SubmitError):
+    """Our submit lock expired or was taken while enqueueing (Redis too slow to renew it)."""
 
 
 @dataclass
@@ -137,16 +153,88 @@ def enqueue_file(
     """
     report = SubmitReport(batch_id)
     try:
-        _enqueue_file(
-            conn, keys, path, batch_id, default_model, model_override, check, result_ttl, report
-        )
+        with SubmitLock(conn, keys.submit_lock(batch_id), batch_id) as lock:
+            _enqueue_file(
+                conn,
+                keys,
+                path,
+                batch_id,
+                default_model,
+                model_override,
+                check,
+                result_ttl,
+                report,
+                lock,
+            )
     except OutOfMemoryError as exc:
         raise RedisFull(batch_id, report.lines, total_lines) from exc
     return report
 
 
+_RENEW = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
+return 0
+"""
+_RELEASE = """
+if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
+return 0
+"""
+
+
+class SubmitLock:
+    """The per-batch submit lock: `SET key token NX PX`, renewed by a thread every third
+    of its TTL, released (only if still ours) on exit. Entering waits up to
+    SPEC_SUBMIT_LOCK_WAIT_S for another holder, then raises BatchBusy."""
+
+    def __init__(self, conn: Redis, key: str, batch_id: str, wait_s: float | None = None):
+        self.conn, self.key, self.batch_id = conn, key, batch_id
+        self.wait_s = config.submit_lock_wait_s() if wait_s is None else wait_s
+        self.token = secrets.token_hex(16)
+        self.ttl_ms = int(config.SUBMIT_LOCK_TTL_S * 1000)
+        self._stop = threading.Event()
+        self._lost = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> SubmitLock:
+        started = time.monotonic()
+        while not self.conn.set(self.key, self.token, nx=True, px=self.ttl_ms):
+            waited = time.monotonic() - started
+            if waited >= self.wait_s:
+                raise BatchBusy(self.batch_id, waited)
+            time.sleep(min(0.2, self.wait_s - waited))
+        self._thread = threading.Thread(target=self._renew, name="submit-lock", daemon=True)
+        self._thread.start()
+        return self
+
+    def check(self) -> None:
+        """Raise LostSubmitLock if the lock stopped being ours."""
+        if self._lost.is_set():
+            raise LostSubmitLock(
+                f"lost the submit lock of batch {self.batch_id} (Redis too slow to renew it "
+                f"within {config.SUBMIT_LOCK_TTL_S} s); run the same command again"
+            )
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.ttl_ms / 3000):
+            try:
+                if not self.conn.eval(_RENEW, 1, self.key, self.token, self.ttl_ms):
+                    self._lost.set()
+                    return
+            except Exception:  # Redis hiccup: the next round tries again
+                continue
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        try:
+            self.conn.eval(_RELEASE, 1, self.key, self.token)
+        except Exception:  # Redis gone: the lock expires by itself
+            pass
+
+
 def _enqueue_file(
-    conn, keys, path, batch_id, default_model, model_override, check, result_ttl, report
+    conn, keys, path, batch_id, default_model, model_override, check, result_ttl, report, lock
 ) -> None:
     meta = keys.batch(batch_id)
     created = time.time()
@@ -165,6 +253,7 @@ def _enqueue_file(
     queues: dict[str, Queue] = {}
     try:
         for chunk in _chunks(validate_file(path, model_override, check)):
+            lock.check()
             conn.expire(flag, SUBMITTING_TTL_S)
             _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report, ttl)
     except BaseException:

@@ -191,3 +191,53 @@ def test_a_resubmitted_file_whose_lines_moved_answers_every_custom_id_once(
         "completed": 5,
         "failed": 0,
     }
+
+
+def test_two_submits_of_one_batch_at_once_enqueue_each_line_once(redis_env, tmp_path):
+    ids = [f"r{i}" for i in range(3000)]
+    jobs = _jobs(tmp_path / "jobs.jsonl", ids)
+    batch = redis_env.batch_id()
+    command = [script("spec-submit"), jobs, "--batch-id", batch]
+    env = dict(redis_env.env, SPEC_SUBMIT_LOCK_WAIT_S="120")
+    both = [
+        subprocess.Popen(
+            command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for _ in range(2)
+    ]
+    said = sorted(p.communicate(timeout=180)[1].splitlines()[0] for p in both)
+    assert [p.returncode for p in both] == [0, 0]
+    assert said == [
+        f"batch {batch}: 3000 lines: 0 enqueued, 3000 already queued or running",
+        f"batch {batch}: 3000 lines: 3000 enqueued; models: demo (3000)",
+    ]
+    queued = _queued_jobs(redis_env, batch)
+    assert len(queued) == len(set(queued)) == 3000
+    assert not redis_env.conn.exists(redis_env.keys.submit_lock(batch))  # released
+
+
+def test_a_submit_that_finds_its_batch_locked_waits_then_says_so(redis_env, tmp_path):
+    jobs = _jobs(tmp_path / "jobs.jsonl", ["a", "b"])
+    batch = redis_env.batch_id()
+    lock = redis_env.keys.submit_lock(batch)
+    redis_env.conn.set(lock, "another-submit", px=60_000)
+    env = dict(redis_env.env, SPEC_SUBMIT_LOCK_WAIT_S="1")
+    run = subprocess.run(
+        [script("spec-submit"), jobs, "--batch-id", batch],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert run.returncode == 1
+    assert run.stderr == (
+        f"spec-submit: error: another spec-submit of batch {batch} is running (waited 1 s); "
+        "run this one again once it has finished\n"
+    )
+    assert _queued_jobs(redis_env, batch) == []
+    assert redis_env.conn.get(lock) == b"another-submit"  # not ours to release
+
+    redis_env.conn.delete(lock)
+    again = redis_env.run("spec-submit", jobs, "--batch-id", batch)
+    assert again.returncode == 0, again.stderr
+    assert len(_queued_jobs(redis_env, batch)) == 2
