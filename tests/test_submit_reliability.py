@@ -152,6 +152,10 @@ def test_redis_full_mid_submit_is_one_line_and_a_resubmit_completes_the_batch_on
     assert all(r["error"] is None for r in results)
     status = json.loads(env.run("spec-status", batch, "--json").stdout)
     assert (status["status"], status["request_counts"]["completed"]) == ("completed", len(ids))
+    print(
+        f"figures: redis full: lines={len(ids)}, maxmemory_mb=4, enqueued_before_full={enqueued}, "
+        f"half_written_jobs=0, results={len(results)}, results_lost=0, results_duplicated=0"
+    )
 
 
 def test_a_resubmitted_file_whose_lines_moved_answers_every_custom_id_once(
@@ -184,6 +188,7 @@ def test_a_resubmitted_file_whose_lines_moved_answers_every_custom_id_once(
     ]
     status = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
     assert status["status"] == "completed"
+    print("figures: moved lines: submissions=3, custom_ids=5, jobs=5, results=5")
     assert status["request_counts"] == {
         "total": 5,
         "queued": 0,
@@ -214,6 +219,7 @@ def test_two_submits_of_one_batch_at_once_enqueue_each_line_once(redis_env, tmp_
     queued = _queued_jobs(redis_env, batch)
     assert len(queued) == len(set(queued)) == 3000
     assert not redis_env.conn.exists(redis_env.keys.submit_lock(batch))  # released
+    print(f"figures: two submits at once: lines=3000, queue_entries={len(queued)}")
 
 
 def test_a_submit_that_finds_its_batch_locked_waits_then_says_so(redis_env, tmp_path):
