@@ -440,7 +440,8 @@ def test_a_poison_request_is_tried_three_times_then_becomes_an_error_line(
     redis_env.conn.hset(redis_env.keys.requests(batch), "c:poison", "{not json")  # breaks every run
     worker = start_worker("--burst", *PAIR_ARGS)
     assert worker.wait(timeout=120) == 0, worker.log  # the worker kept serving
-    assert worker.log.count(f"({batch}-1)") == 3  # dequeued three times: two retries
+    poison = key_layout.job_id(batch, "c:poison", 1)
+    assert worker.log.count(f"({poison})") == 3  # dequeued three times: two retries
     errors = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
     assert [(x["custom_id"], x["error"] and x["error"]["code"]) for x in errors] == [
         ("poison", "internal_error"),
