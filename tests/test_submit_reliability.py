@@ -188,7 +188,6 @@ def test_a_resubmitted_file_whose_lines_moved_answers_every_custom_id_once(
     ]
     status = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
     assert status["status"] == "completed"
-    print("figures: moved lines: submissions=3, custom_ids=5, jobs=5, results=5")
     assert status["request_counts"] == {
         "total": 5,
         "queued": 0,
@@ -196,6 +195,7 @@ def test_a_resubmitted_file_whose_lines_moved_answers_every_custom_id_once(
         "completed": 5,
         "failed": 0,
     }
+    print("figures: moved lines: submissions=3, custom_ids=5, jobs=5, results=5")
 
 
 def test_two_submits_of_one_batch_at_once_enqueue_each_line_once(redis_env, tmp_path):
