@@ -21,13 +21,15 @@ from typing import Literal
 import redis
 from redis import Redis
 from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from producer import config, store
 from producer.jobfile import JobLine
-from producer.keys import Keys
-from producer.lines import dumps, error_line, line_id
+from producer.keys import Keys, is_job_of, job_id
+from producer.lines import dumps, error_line
 from producer.submit import _job_data
 
 TERMINAL = ("completed", "failed", "cancelled")
@@ -161,11 +163,6 @@ def models_of(meta: dict[str, str]) -> list[str]:
     return sorted(k.split(":", 1)[1] for k in meta if k.startswith("model:"))
 
 
-def _is_batch_job(job_id: str, batch_id: str) -> bool:
-    prefix = f"{batch_id}-"
-    return job_id.startswith(prefix) and job_id[len(prefix) :].isdigit()
-
-
 def running_jobs(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> list[str]:
     """Job ids of this batch that a worker has started and not finished."""
     out = []
@@ -175,7 +172,7 @@ def running_jobs(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> l
             ids = registry.get_job_ids(cleanup=False)
         except redis.exceptions.ResponseError as exc:  # WRONGTYPE: not RQ's zset any more
             raise CorruptBatch(f"key {registry.key}: {_first_line(exc)}") from exc
-        out += [j for j in ids if _is_batch_job(j, batch_id)]
+        out += [j for j in ids if is_job_of(batch_id, j)]
     return out
 
 
@@ -511,28 +508,21 @@ def _umask() -> int:
 
 
 def _delete(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> None:
-    for chunk in _scores(conn, keys, batch_id):
+    for chunk in _line_keys(conn, keys, batch_id, "input"):
+        records = conn.hmget(keys.requests(batch_id), chunk)
         with conn.pipeline(transaction=False) as pipe:
-            for line in chunk:
-                job_id = line_id(batch_id, line)
-                pipe.delete(f"rq:job:{job_id}")
+            for key, record in zip(chunk, records, strict=True):
+                if record is None:  # rejected at submit time: it never had a job
+                    continue
+                job = job_id(batch_id, key, int(json.loads(record)["line"]))
+                pipe.delete(f"rq:job:{job}")
                 for alias in models:
-                    pipe.zrem(f"rq:failed:{keys.queue_name(alias)}", job_id)
+                    pipe.zrem(f"rq:failed:{keys.queue_name(alias)}", job)
             pipe.execute()
     with conn.pipeline() as pipe:
         pipe.delete(*keys.batch_keys(batch_id))
         pipe.zrem(keys.batches, batch_id)
         pipe.execute()
-
-
-def _scores(conn: Redis, keys: Keys, batch_id: str) -> Iterator[list[int]]:
-    start, step = 0, config.CHUNK_LINES
-    while True:
-        chunk = conn.zrange(keys.order(batch_id), start, start + step - 1, withscores=True)
-        if not chunk:
-            return
-        yield [int(score) for _, score in chunk]
-        start += step
 
 
 @_redis_refusals
@@ -559,9 +549,9 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
         with conn.pipeline(transaction=False) as pipe:
             for key, record in zip(chunk, records, strict=True):
                 job = JobLine.from_record(json.loads(record))
-                job_id = line_id(batch_id, job.line)
-                pipe.delete(f"rq:job:{job_id}")
-                pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", job_id)
+                old = job_id(batch_id, key, job.line)
+                pipe.delete(f"rq:job:{old}")
+                pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", old)
                 jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
             for alias, datas in jobs.items():
                 queue = queues.setdefault(
@@ -592,17 +582,24 @@ def cancel(conn: Redis, keys: Keys, batch_id: str) -> int:
     removed = 0
     for alias in models_of(meta):
         queue = Queue(keys.queue_name(alias), connection=conn, serializer=JSONSerializer)
-        job_ids = store.remove_queued(conn, queue.key, batch_id)
-        for job_id in job_ids:
-            line = int(job_id.rsplit("-", 1)[1])
-            found = conn.zrangebyscore(keys.order(batch_id), line, line)
-            conn.delete(f"rq:job:{job_id}")
-            if not found:
+        for removed_id in store.remove_queued(conn, queue.key, batch_id):
+            line = int(removed_id.rsplit("-", 1)[1])
+            key = _key_of_job(conn, removed_id)
+            conn.delete(f"rq:job:{removed_id}")
+            if key is None:
                 continue
-            key = _text(found[0])
             custom_id = key[2:] if key.startswith("c:") else None
             line_json = dumps(
                 error_line(batch_id, line, custom_id, "cancelled", "cancelled before it started")
             )
             removed += store.store_line(conn, keys, batch_id, key, line_json, ok=False)
     return removed
+
+
+def _key_of_job(conn: Redis, job: str) -> str | None:
+    """The line key a job of this project runs (its second argument), or None."""
+    try:
+        args = Job.fetch(job, connection=conn, serializer=JSONSerializer).args
+    except (NoSuchJobError, ValueError, TypeError):
+        return None
+    return args[1] if isinstance(args, list | tuple) and len(args) == 2 else None

@@ -128,7 +128,15 @@ def submit(
         sys.exit(1)
 
     report = enqueue_file(
-        conn, keys, jobs_file, batch_id, config.DEFAULT_MODEL, model, checker, result_ttl
+        conn,
+        keys,
+        jobs_file,
+        batch_id,
+        config.DEFAULT_MODEL,
+        model,
+        checker,
+        result_ttl,
+        total_lines=valid + invalid,
     )
     click.echo(batch_id)
     parts = [f"{report.enqueued} enqueued"]

@@ -169,8 +169,8 @@ def private_redis(tmp_path):
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _job_of(redis_env, batch: str, line: int) -> dict[str, str]:
-    raw = redis_env.conn.hgetall(f"rq:job:{batch}-{line}")
+def _job_of(redis_env, batch: str, job: str) -> dict[str, str]:
+    raw = redis_env.conn.hgetall(f"rq:job:{job}")
     return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
 
 
@@ -275,7 +275,7 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
         # Re-queued (a retry used) by the reaper of a worker that is itself busy: no
         # replacement is started until then, and the queue never ran dry.
         _wait_until(
-            lambda line=line: _job_of(redis_env, batch, line).get("retries_left") == "1",
+            lambda job=victim_job: _job_of(redis_env, batch, job).get("retries_left") == "1",
             timeout=bound + 5,
             what=f"job {victim_job} to be re-queued",
             poll=0.01,
