@@ -8,9 +8,11 @@ Every test prints one `figures:` line; docs/reliability.md quotes them
 
 from __future__ import annotations
 
+import json
 import signal
 
 import pytest
+from conftest import PAIR_ARGS
 from rq.registry import FailedJobRegistry
 from test_faults import (  # noqa: F401 (private_redis is a fixture)
     FAST_HEARTBEAT,
@@ -81,3 +83,53 @@ def test_a_job_rerun_after_a_kill_ends_cleanly(
         error_lines=0,
         failed_registry=0,
     )
+
+
+# -- a request record that cannot be parsed -----------------------------------------------
+
+
+@pytest.mark.parametrize("rows", ["1", "4"])
+def test_an_unreadable_request_becomes_an_error_line_at_once(
+    redis_env, start_worker, tmp_path, rows
+):
+    lines = [{"custom_id": c, "prompt": "def f(x):", "max_tokens": 2} for c in "abcd"]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id("corrupt")
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    requests = redis_env.keys.requests(batch)
+    redis_env.conn.hset(requests, "c:b", "{not json")
+    redis_env.conn.hset(requests, "c:c", json.dumps({"line": 3}))
+    worker = start_worker("--burst", "--batch", rows, *PAIR_ARGS)
+    assert worker.wait(timeout=60) == 0, worker.log
+
+    conn, keys = redis_env.conn, redis_env.keys
+    assert sorted(conn.hkeys(keys.results(batch))) == [b"c:a", b"c:d"]
+    errors = {
+        k.decode(): json.loads(v)["error"] for k, v in conn.hgetall(keys.errors(batch)).items()
+    }
+    where = f"the stored request cannot be read ({requests} field"
+    assert errors == {
+        "c:b": {
+            "code": "internal_error",
+            "message": f"{where} 'c:b': JSONDecodeError: Expecting property name enclosed in "
+            "double quotes: line 1 column 2 (char 1)); it was not run",
+            "line": 2,
+        },
+        "c:c": {
+            "code": "internal_error",
+            "message": f"{where} 'c:c': KeyError: 'custom_id'); it was not run",
+            "line": 3,
+        },
+    }
+    assert "retry" not in worker.log  # at once: no retry burned, nothing left running
+    assert not _running(redis_env, batch) and _failed_ids(redis_env, batch) == []
+    state = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
+    assert state["status"] == "completed"
+    assert state["request_counts"] == {
+        "total": 4,
+        "queued": 0,
+        "running": 0,
+        "completed": 2,
+        "failed": 2,
+    }
+    figures(f"unreadable request, --batch {rows}", requests=4, unreadable=2, error_lines=2)

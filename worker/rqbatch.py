@@ -16,7 +16,6 @@ signal puts every unfinished claimed job back at the front of the queue.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
@@ -27,7 +26,7 @@ from rq.timeouts import JobTimeoutException
 
 from producer.jobfile import JobLine
 from worker.batching import run_lines
-from worker.jobs import get_context
+from worker.jobs import get_context, read_request
 from worker.rqworker import _Heartbeat, vet
 
 log = logging.getLogger("specfleet.worker")
@@ -69,19 +68,13 @@ class BatchSession:
         return claimed
 
     def _line_for(self, job: Job) -> JobLine | None:
+        """The line to decode, or None when the job needs no engine: already answered,
+        cancelled, deleted, for another model, or a request that cannot be read."""
         ctx = get_context()
-        batch_id, line_key = job.args
-        conn, keys = ctx.conn, ctx.keys
-        with conn.pipeline(transaction=False) as pipe:
-            pipe.hexists(keys.results(batch_id), line_key)
-            pipe.hexists(keys.errors(batch_id), line_key)
-            pipe.hget(keys.requests(batch_id), line_key)
-            pipe.hget(keys.batch(batch_id), "cancelled")
-            has_result, has_error, record, cancelled = pipe.execute()
-        if has_result or has_error or record is None or cancelled:
+        request = read_request(ctx, *job.args)
+        if request.answered or request.cancelled or request.line is None:
             return None
-        line = JobLine.from_record(json.loads(record))
-        return line if line.model == ctx.alias else None
+        return request.line if request.line.model == ctx.alias else None
 
     def _next_jobs(self, first: Job):
         """Lines for the engine: the first job's, then more while the queue has them."""
