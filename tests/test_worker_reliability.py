@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 
 import pytest
 from conftest import PAIR_ARGS
@@ -19,6 +20,7 @@ from test_faults import (  # noqa: F401 (private_redis is a fixture)
     _done,
     _job_of,
     _running,
+    _tokens_counted_once,
     _wait_until,
     figures,
     private_redis,
@@ -133,3 +135,62 @@ def test_an_unreadable_request_becomes_an_error_line_at_once(
         "failed": 2,
     }
     figures(f"unreadable request, --batch {rows}", requests=4, unreadable=2, error_lines=2)
+
+
+# -- Redis refusing writes (maxmemory reached) ---------------------------------------------
+
+
+def test_workers_wait_while_redis_is_full_and_lose_nothing(request, slow_pair_args, tmp_path):
+    """maxmemory below what Redis holds (noeviction): every write is refused with OOM
+    while workers are storing results; then the limit is raised with CONFIG SET."""
+    _, env = request.getfixturevalue("private_redis")(
+        "--save", "", "--appendonly", "no", "--maxmemory-policy", "noeviction"
+    )
+    env.env["SPEC_RECONNECT_CAP_S"] = "0.5"
+    n = 16
+    lines = [
+        {"custom_id": f"m{i:02d}", "prompt": "def parse(text):", "max_tokens": 8} for i in range(n)
+    ]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = env.batch_id("full")
+    assert env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    single = env.start_worker(*slow_pair_args)
+    batched = env.start_worker("--batch", "8", *slow_pair_args)
+    _wait_until(
+        lambda: _done(env, batch) >= 2 and len(set(_running(env, batch).values())) == 2,
+        timeout=120,
+        what="both workers busy",
+        poll=0.01,
+    )
+    env.conn.config_set("maxmemory", 1)  # under what it holds: every write is refused
+    full = "is full"
+    for w in (single, batched):
+        w.wait_for_log(full, timeout=30)
+    done_when_full = _done(env, batch)
+    time.sleep(1)
+    assert _done(env, batch) == done_when_full  # nothing stored: Redis really refused
+    env.conn.config_set("maxmemory", 0)
+    _wait_until(lambda: _done(env, batch) >= n, timeout=180, what="the batch", poll=0.1)
+    for w in (single, batched):
+        assert w.proc.poll() is None, w.log  # rode it out
+        w.signal(signal.SIGTERM)
+    for w in (single, batched):
+        assert w.wait(timeout=60) == 0, w.log
+        assert w.log.count(full) == 1, w.log  # warned once
+        assert "accepts writes again" in w.log
+        for said in ("enqueued for retry", "exception raised while executing", "Traceback"):
+            assert said not in w.log, w.log  # no job failed: no retry spent
+
+    results = read_jsonl(_collect(env, batch, tmp_path / "r.jsonl"))
+    assert sorted(r["custom_id"] for r in results) == [x["custom_id"] for x in lines]
+    assert [r["error"] for r in results] == [None] * n
+    assert env.conn.hlen(env.keys.errors(batch)) == 0 and _failed_ids(env, batch) == []
+    _tokens_counted_once(env, batch, results)
+    figures(
+        "redis full",
+        requests=n,
+        workers="2 (one --batch 8)",
+        done_before_full=done_when_full,
+        results_lost=0,
+        results_duplicated=0,
+    )
