@@ -8,9 +8,13 @@ Every test prints one `figures:` line; docs/reliability.md quotes them
 
 from __future__ import annotations
 
+import ast
+import importlib.metadata
+import inspect
 import json
 import signal
 import time
+from pathlib import Path
 
 import pytest
 from conftest import PAIR_ARGS
@@ -194,3 +198,64 @@ def test_workers_wait_while_redis_is_full_and_lose_nothing(request, slow_pair_ar
         results_lost=0,
         results_duplicated=0,
     )
+
+
+# -- what the worker takes from RQ ---------------------------------------------------------
+
+
+def test_every_rq_private_name_the_worker_uses_still_exists(redis_env):
+    """worker.rqcompat lists them; an RQ release that renames one fails here, not in a
+    worker in the middle of a batch."""
+    from rq import SimpleWorker
+    from rq.job import Job
+    from rq.queue import Queue
+
+    from worker import rqcompat
+
+    instances = {
+        Job: Job(connection=redis_env.conn),
+        Queue: Queue("x", connection=redis_env.conn),
+        rqcompat.BaseWorker: SimpleWorker([], connection=redis_env.conn),
+    }
+    for owner, name, params in rqcompat.PRIVATE_NAMES:
+        if params is None:
+            assert hasattr(instances[owner], name), f"{owner.__name__}.{name} is gone"
+            continue
+        found = getattr(owner, name, None)
+        assert callable(found), f"{owner.__name__}.{name} is gone"
+        got = tuple(inspect.signature(found).parameters)
+        assert got[: len(params)] == params, (owner.__name__, name, got)
+    # rqcompat's helpers run against this RQ.
+    job = instances[Job]
+    assert rqcompat.callback_names(job) == (None, None, None)
+    worker = instances[rqcompat.BaseWorker]
+    assert rqcompat.stop_requested(worker) is False
+    rqcompat.stop_after_this(worker)
+    assert rqcompat.stop_requested(worker) is True
+    assert importlib.metadata.version("rq").startswith("3.0.")  # the range pyproject pins
+
+
+def test_worker_modules_import_no_cycle():
+    """Module-level and function-level imports between worker modules form no cycle."""
+    root = Path(__file__).resolve().parent.parent / "worker"
+    graph: dict[str, set[str]] = {}
+    for path in root.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            else:
+                continue
+            found |= {n.split(".")[1] for n in names if n.startswith("worker.")}
+        graph[path.stem] = found & {p.stem for p in root.glob("*.py")}
+
+    def visit(module: str, stack: tuple[str, ...]) -> None:
+        assert module not in stack, " -> ".join((*stack, module))
+        for imported in sorted(graph[module]):
+            visit(imported, (*stack, module))
+
+    for module in sorted(graph):
+        visit(module, ())
+    assert "rqworker" in graph["cli"] and "guard" in graph["rqbatch"]

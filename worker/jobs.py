@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
@@ -38,9 +38,6 @@ class WorkerContext:
     conn: Redis
     keys: Keys
     ttl_s: int = 0
-    #: (batch id, line key) -> an Outcome computed in a batch (or an exception to
-    #: raise), handed to the job when RQ performs it (worker.rqbatch).
-    precomputed: dict = field(default_factory=dict)
 
 
 _context: WorkerContext | None = None
@@ -98,17 +95,20 @@ def _unreadable(ctx: WorkerContext, batch_id: str, line_key: str, reason: str) -
     return Outcome(False, line, {})
 
 
-def run_request(batch_id: str, line_key: str) -> dict:
+def run_request(
+    batch_id: str, line_key: str, precomputed: Outcome | BaseException | None = None
+) -> dict:
     """Run one line of a batch and store its result or error line.
 
+    `precomputed` is what a batch computed for the line (worker.rqbatch, through
+    SafeJob): stored instead of running the line, or raised when an exception.
     Returns a small summary (stored by RQ only briefly). Raises on unexpected errors,
     so RQ retries the job; the last failure becomes an error line in on_job_failure.
     """
     ctx = get_context()
     conn, keys = ctx.conn, ctx.keys
-    ready = ctx.precomputed.pop((batch_id, line_key), None)
-    if isinstance(ready, BaseException):
-        raise ready  # e.g. the job's timeout, met while it ran in a batch
+    if isinstance(precomputed, BaseException):
+        raise precomputed  # e.g. the job's timeout, met while it ran in a batch
     request = read_request(ctx, batch_id, line_key)
     job = request.line
     if request.answered:
@@ -130,7 +130,9 @@ def run_request(batch_id: str, line_key: str) -> dict:
         )
     else:
         conn.hsetnx(keys.batch(batch_id), "started_at", f"{time.time():.3f}")
-        outcome = ready if ready is not None else execute(ctx.pair, ctx.alias, batch_id, job)
+        outcome = (
+            precomputed if precomputed is not None else execute(ctx.pair, ctx.alias, batch_id, job)
+        )
     stored = store.store_line(
         conn,
         keys,
