@@ -35,6 +35,7 @@ import signal
 import time
 
 from rq import SimpleWorker
+from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.timeouts import BaseDeathPenalty
@@ -116,8 +117,8 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
             except Exception as exc:
                 job_id = getattr(exc, "job_id", None)
                 queue = getattr(exc, "queue", None)
-                if job_id is None or queue is None:
-                    raise
+                if job_id is None or queue is None or isinstance(exc, StopRequested):
+                    raise  # a stop signal met RQ reading a job: not the job's fault
                 # A job hash RQ cannot even read: refuse it and keep serving.
                 self.refuse(job_id, queue, f"unreadable job ({type(exc).__name__}: {exc})")
 
@@ -145,9 +146,18 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
             pipe.execute()
 
     def handle_job_success(self, job: Job, queue, started_job_registry, execution) -> None:
-        # A run after a killed one (or a second delivery) must not fail RQ's deletion of
-        # the finished job on the dead run's leftovers: the line is stored, it succeeded.
-        rqcompat.forget_dead_executions(job)
+        # A run after a killed one, or the slower of two deliveries, must end as the
+        # success it is: the line is stored once whichever run stored it.
+        if not self.connection.hexists(job.key, "status"):
+            # The other delivery finished first and deleted the job (result_ttl 0):
+            # RQ's bookkeeping would fail on the missing job; only ours is left to clean.
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipe, execution)
+                pipe.delete(job.key)  # a late heartbeat may have written it again
+                pipe.execute()
+            log.info("job %s was finished by another delivery as well", job.id)
+            return
+        rqcompat.forget_dead_executions(job)  # a dead run's leftovers
         super().handle_job_success(job, queue, started_job_registry, execution)
 
     # -- liveness ---------------------------------------------------------------------
