@@ -120,6 +120,7 @@ def build_model(
     scale: float = 3.0,
     bits: int | None = None,
     layers: int | None = None,
+    overrides: dict | None = None,
 ) -> Path:
     """Save a random fp32 model of `family` (a key of CONFIGS); `bits` quantizes it
     with mlx.nn.quantize (group size 32), as mlx_lm.convert would."""
@@ -132,6 +133,7 @@ def build_model(
         eos_token_id=0,
         torch_dtype="float32",
     )
+    config.update(overrides or {})
     if layers is not None:
         config["num_hidden_layers"] = layers
         if "layer_types" in config:
