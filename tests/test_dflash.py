@@ -353,3 +353,16 @@ def test_greedy_speculation_with_a_random_drafter_equals_target_only(tmp_path, l
     out, stats = greedy_reference(target, drafter, prompt, 24)
     assert out == target_greedy(target, prompt, 24)
     assert stats["target_passes"] == len(stats["accepted"])
+
+
+def test_demo_dflash_drafter_is_exact_and_drafts_more_than_one_token_per_pass(capsys):
+    """The shipped demo drafter on the demo target: greedy output equals target-only."""
+    pair = engine.load_pair(draft=DEMO_DIR / "dflash", calibrate=False)
+    assert pair.dflash is not None and pair.dflash.block_size == 8
+    prompt = pair.tokenizer.encode("def parse_header(line):\n    ")
+    out, stats = greedy_reference(pair.target, pair.dflash, prompt, 64)
+    assert out == target_greedy(pair.target, prompt, 64)
+    per_pass = sum(a + 1 for a in stats["accepted"]) / stats["target_passes"]
+    with capsys.disabled():
+        print(f"\ndemo DFlash drafter: {per_pass:.2f} tokens per target pass (greedy)")
+    assert per_pass > 1.2
