@@ -387,8 +387,8 @@ class DFlashState:
         target's, bound at load.
         """
         model, c = self.drafter.model, self.drafter.config
-        embed = embed or self.drafter.embed
-        lm_head = lm_head or self.drafter.lm_head
+        embed = self.drafter.embed if embed is None else embed
+        lm_head = self.drafter.lm_head if lm_head is None else lm_head
         if len(last_tokens) != self.batch:
             raise ValueError(f"block_logits: {len(last_tokens)} last tokens for {self.batch} rows")
         bs = c.block_size
