@@ -27,6 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 from .types import ModelLoadError
 
@@ -312,6 +313,7 @@ class DFlashDrafter:
             "block_size": self.block_size,
             "target_layer_ids": list(self.config.target_layer_ids),
             "layers": self.config.num_hidden_layers,
+            "parameters": sum(v.size for _, v in tree_flatten(self.model.parameters())),
         }
 
 

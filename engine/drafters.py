@@ -294,7 +294,10 @@ class DFlashProposer:
             law = sampling.probs(logits[i, :k], params)  # (k, V)
             seed, start = self.seeds[key], positions[key]
             noise = mx.concatenate(
-                [sampling.gumbel_rows(seed, start + j, 1, law.shape[-1], DRAW_DRAFT) for j in range(k)]
+                [
+                    sampling.gumbel_rows(seed, start + j, 1, law.shape[-1], DRAW_DRAFT)
+                    for j in range(k)
+                ]
             )
             drafts[key] = sampling.sample_rows(law, noise).tolist()
             q[key] = law
