@@ -68,7 +68,7 @@ class ModelPair:
         (a families.Features)."""
         from .families import features
 
-        return features(self.target, self.draft)
+        return features(self.target, self.draft, self.dflash)
 
 
 def _num_params(model: nn.Module) -> int:
