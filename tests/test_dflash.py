@@ -15,6 +15,7 @@ import mlx_lm
 import pytest
 from mlx.utils import tree_flatten
 from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import build_llama
 
 import engine
 from engine.dflash import (
@@ -29,7 +30,6 @@ from engine.dflash import (
 from engine.loading import DEMO_DIR
 from engine.ragged import make_ragged_cache
 from engine.types import ModelLoadError
-from tests.tiny_models import build_llama
 
 VOCAB = 96
 HIDDEN = 64

@@ -15,9 +15,9 @@ from pathlib import Path
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
+from tiny_models import build_tokenizer
 
 import engine  # noqa: F401  (loads the fast BLAS before mlx)
-from tests.tiny_models import build_tokenizer
 
 #: Sliding window of the tiny gemma3_text: test texts run well past it.
 WINDOW = 8
