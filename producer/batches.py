@@ -18,10 +18,10 @@ from rq import Queue
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from producer import config, store
-from producer.jobfile import JobLine
-from producer.keys import Keys
-from producer.lines import dumps, error_line, line_id
+from jobstore import config, store
+from jobstore.jobfile import JobLine
+from jobstore.keys import Keys
+from jobstore.lines import dumps, error_line, line_id
 from producer.submit import _job_data
 
 TERMINAL = ("completed", "failed", "cancelled")

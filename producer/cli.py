@@ -14,10 +14,11 @@ import sys
 import click
 import redis
 
-from producer import batches, config, progress
-from producer.connection import RedisUnavailable, connect, warn_if_evicting
-from producer.jobfile import JobFileError
-from producer.keys import Keys
+from jobstore import config
+from jobstore.connection import RedisUnavailable, connect, warn_if_evicting
+from jobstore.jobfile import JobFileError
+from jobstore.keys import Keys
+from producer import batches, progress
 from producer.submit import (
     SubmitError,
     check_batch_id,

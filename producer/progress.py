@@ -22,8 +22,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from jobstore.keys import Keys
 from producer import batches
-from producer.keys import Keys
 
 #: Batch hash fields of audit mode (`spec-worker --audit RATE`), written by worker.audit.
 AUDIT_CHECKED = "audit_checked"

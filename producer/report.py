@@ -98,7 +98,7 @@ def read_jsonl(path: str) -> Iterator[Line]:
 
 def read_batch(conn, keys, batch_id: str, chunk: int = 500) -> Iterator[Line]:
     """The lines a batch has written so far, in the order they were written, from
-    the `results`/`errors` hashes and the `done` list of producer.keys."""
+    the `results`/`errors` hashes and the `done` list of jobstore.keys."""
     if not conn.exists(keys.batch(batch_id)):
         raise ReportError(f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r})")
     start = 0
@@ -615,8 +615,8 @@ def main(batch_id, results_path, errors_path, redis_url, output):
 
 
 def _batch_lines(batch_id: str, redis_url: str | None) -> list[Line]:
-    from producer.connection import RedisUnavailable, connect
-    from producer.keys import Keys
+    from jobstore.connection import RedisUnavailable, connect
+    from jobstore.keys import Keys
 
     try:
         conn = connect(redis_url)

@@ -7,7 +7,7 @@ id skips lines that already have a result or whose job is still queued or runnin
 and runs again the lines that ended in an error line.
 
 A batch may carry a TTL (`result_ttl` in its hash): every key of the batch gets it at
-submit time, and every line stored later renews it (producer.store), so a batch that
+submit time, and every line stored later renews it (jobstore.store), so a batch that
 nobody collects frees its memory by itself.
 """
 
@@ -22,10 +22,10 @@ from redis import Redis
 from rq import Callback, Queue, Retry
 from rq.serializers import JSONSerializer
 
-from producer import config, store
-from producer.jobfile import JobLine, LineError, validate_file
-from producer.keys import Keys, line_key
-from producer.lines import dumps, error_line, line_id
+from jobstore import config, store
+from jobstore.jobfile import JobLine, LineError, validate_file
+from jobstore.keys import Keys, line_key
+from jobstore.lines import dumps, error_line, line_id
 
 #: The one function workers run; they refuse jobs naming anything else.
 JOB_FUNCTION = "worker.jobs.run_request"

@@ -16,8 +16,8 @@ from pathlib import Path
 
 from redis import Redis
 
-from producer.jobfile import JobLine, LineError
-from producer.keys import Keys
+from jobstore.jobfile import JobLine, LineError
+from jobstore.keys import Keys
 
 DEMO_TARGET_DIR = Path(__file__).resolve().parent.parent / "engine" / "demo" / "target"
 

@@ -223,7 +223,7 @@ def test_unreachable_redis_is_one_line_with_the_password_redacted(tmp_path, monk
 
 
 def test_redis_url_comes_from_the_environment(tmp_path, monkeypatch):
-    from producer import config
+    from jobstore import config
 
     monkeypatch.delenv("SPEC_REDIS_URL", raising=False)
     monkeypatch.delenv("REDIS_URL", raising=False)

@@ -28,7 +28,7 @@ from redis import Redis
 from rq.registry import StartedJobRegistry
 from test_queue import _collect, read_jsonl, write_jobs
 
-from producer.keys import Keys
+from jobstore.keys import Keys
 
 #: A dead worker's job is noticed within about the TTL (scores are whole seconds).
 FAST_HEARTBEAT = {"SPEC_HEARTBEAT_INTERVAL_S": "0.2", "SPEC_HEARTBEAT_TTL_S": "1"}

@@ -7,8 +7,9 @@ import json
 
 from click.testing import CliRunner
 
-from producer import batches, cli, config, store
-from producer.lines import dumps, error_line
+from jobstore import config, store
+from jobstore.lines import dumps, error_line
+from producer import batches, cli
 
 
 def _submit_lines(redis_env, tmp_path, n: int) -> str:

@@ -249,9 +249,9 @@ def _free_port() -> int:
 
 
 def test_report_from_a_batch_in_redis(redis_url, files, tmp_path, monkeypatch):
-    from producer import store
-    from producer.connection import connect
-    from producer.keys import Keys
+    from jobstore import store
+    from jobstore.connection import connect
+    from jobstore.keys import Keys
 
     monkeypatch.setenv("SPEC_KEY_PREFIX", f"report{os.getpid()}")
     conn, keys = connect(redis_url), Keys.default()

@@ -18,14 +18,14 @@ import click
 import redis
 from rq.serializers import JSONSerializer
 
-from producer import config
-from producer.connection import (
+from jobstore import config
+from jobstore.connection import (
     RedisUnavailable,
     connect,
     warn_if_evicting,
 )
-from producer.jobfile import JobFileError
-from producer.keys import Keys
+from jobstore.jobfile import JobFileError
+from jobstore.keys import Keys
 from producer.submit import SubmitError, check_batch_id, new_batch_id, validate
 
 log = logging.getLogger("specfleet.worker")

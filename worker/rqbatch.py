@@ -25,7 +25,7 @@ from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 
-from producer.jobfile import JobLine
+from jobstore.jobfile import JobLine
 from worker.batching import run_lines
 from worker.jobs import get_context
 from worker.rqworker import _Heartbeat, vet

@@ -37,8 +37,8 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.timeouts import BaseDeathPenalty
 from rq.worker import WorkerStatus
 
-from producer import config
-from producer.connection import ReconnectingRetry
+from jobstore import config
+from jobstore.connection import ReconnectingRetry
 from producer.submit import FAILURE_CALLBACK, JOB_FUNCTION
 
 log = logging.getLogger("specfleet.worker")
@@ -277,7 +277,7 @@ class SpecWorker(SimpleWorker):
         self.reap(force=True)
 
     # -- stopping ---------------------------------------------------------------------
-    # The connection retries for ever while Redis is away (producer.connection). A first
+    # The connection retries for ever while Redis is away (jobstore.connection). A first
     # stop signal to a busy worker keeps it waiting, so the job's result is stored when
     # Redis is back; a stop signal to an idle worker, or a second one, ends the waiting.
 

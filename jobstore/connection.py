@@ -10,7 +10,7 @@ carry on across a Redis restart instead of exiting.
 
 Commands are retried as redis-py sends them again. The writes that matter are safe to
 repeat: a line and its counters go in once per (batch, line key) whatever happens
-(producer.store), and RQ's bookkeeping tolerates a repeated step.
+(jobstore.store), and RQ's bookkeeping tolerates a repeated step.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from redis import Redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from producer import config
+from jobstore import config
 
 log = logging.getLogger("specfleet.redis")
 

@@ -16,9 +16,9 @@ import time
 
 from redis import Redis
 
-from producer import config
-from producer.keys import Keys
-from producer.lines import dumps, error_line
+from jobstore import config
+from jobstore.keys import Keys
+from jobstore.lines import dumps, error_line
 
 log = logging.getLogger("specfleet.store")
 

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from producer import config
+from jobstore import config
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETION_URL = "/v1/completions"

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from producer import config
+from jobstore import config
 
 
 def line_key(custom_id: str | None, line: int) -> str:
