@@ -18,7 +18,7 @@ from jobstore import config
 from jobstore.connection import RedisUnavailable, connect, warn_if_evicting
 from jobstore.jobfile import JobFileError
 from jobstore.keys import Keys
-from producer import batches, progress
+from producer import batches
 from producer.submit import (
     SubmitError,
     check_batch_id,
@@ -27,6 +27,7 @@ from producer.submit import (
     validate,
 )
 from producer.tokencount import ContextChecker
+from reporting import progress
 
 REDIS_HELP = (
     "Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL, else " + config.DEFAULT_REDIS_URL + "]"

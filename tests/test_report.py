@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine.types import SpecStats
-from producer.report import Line, main, read_jsonl, summarize, throughput_series
+from reporting.report import Line, main, read_jsonl, summarize, throughput_series
 
 T0 = 1764460800
 PLOTS = (

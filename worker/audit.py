@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass, field
 
 import engine
-from producer.progress import AUDIT_CHECKED, AUDIT_MISMATCHES
+from reporting.progress import AUDIT_CHECKED, AUDIT_MISMATCHES
 
 log = logging.getLogger("specfleet.audit")
 

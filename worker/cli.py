@@ -278,7 +278,7 @@ def run(
     out = open(output, "wb")
     errors_out = open(errors_path, "wb") if errors_path else out
     try:
-        from producer.progress import RunProgress
+        from reporting.progress import RunProgress
 
         with RunProgress(valid + invalid, batch_id, in_flight=max_batch, model=alias) as shown:
             summary = run_file(
