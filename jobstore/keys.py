@@ -6,7 +6,8 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
                                models, cancelled, result_ttl, started_at, last_done_at,
                                completed_at, completed, failed, prompt_tokens, completion_tokens,
                                busy_ms, sd:<counter>, sd:hist:<i>, sd:dpp:<i>,
-                               sd:app:<i>, sd:drafter:<name>)
+                               sd:app:<i>, sd:drafter:<name>, audit_checked,
+                               audit_mismatches)
     P:batch:B:requests   hash  line key -> the validated line (JobLine record, JSON)
     P:batch:B:order      zset  line key -> line number (every line, valid or not)
     P:batch:B:results    hash  line key -> result line (JSON), written once
@@ -30,6 +31,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from jobstore import config
+
+#: Batch hash fields of audit mode (`spec-worker --audit RATE`): requests re-run
+#: target-only, and how many of them came out different from the speculative output.
+AUDIT_CHECKED = "audit_checked"
+AUDIT_MISMATCHES = "audit_mismatches"
 
 
 def line_key(custom_id: str | None, line: int) -> str:

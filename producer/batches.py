@@ -20,11 +20,12 @@ from rq.serializers import JSONSerializer
 
 from jobstore import config, store
 from jobstore.jobfile import JobLine
-from jobstore.keys import Keys
+from jobstore.keys import AUDIT_CHECKED, AUDIT_MISMATCHES, Keys
+from jobstore.limits import TERMINAL_STATUSES
 from jobstore.lines import dumps, error_line, line_id
 from producer.submit import _job_data
 
-TERMINAL = ("completed", "failed", "cancelled")
+TERMINAL = TERMINAL_STATUSES
 
 
 class BatchError(Exception):
@@ -110,6 +111,16 @@ def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
         "throughput_tokens_per_second": round(throughput, 2),
         "eta_seconds": eta,
         "workers": _workers(conn, keys, batch_id),
+        "audit": audit_summary(meta),
+    }
+
+
+def audit_summary(meta: dict[str, str]) -> dict[str, int]:
+    """{"checked", "mismatches"}: requests re-run target-only by audit mode, and how
+    many of them came out different from the speculative output."""
+    return {
+        "checked": int(meta.get(AUDIT_CHECKED, 0)),
+        "mismatches": int(meta.get(AUDIT_MISMATCHES, 0)),
     }
 
 

@@ -173,7 +173,7 @@ def _watch(conn, keys, batch_id: str, stream, name: str, redis_url: str | None) 
     try:
         with shown:
             return progress.follow(
-                lambda: progress.batch_status(conn, keys, batch_id), shown, config.WAIT_POLL_S
+                lambda: batches.status(conn, keys, batch_id), shown, config.WAIT_POLL_S
             )
     except KeyboardInterrupt:
         _say(f"{name}: stopped watching; batch {batch_id} goes on")
@@ -217,7 +217,7 @@ def status(batch_id, redis_url, as_json, watch):
     if watch:
         _watch(conn, keys, batch_id, sys.stdout, "spec-status", redis_url)
         return
-    state = progress.batch_status(conn, keys, batch_id)
+    state = batches.status(conn, keys, batch_id)
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return

@@ -21,7 +21,7 @@ import random
 from dataclasses import dataclass, field
 
 import engine
-from reporting.progress import AUDIT_CHECKED, AUDIT_MISMATCHES
+from jobstore.keys import AUDIT_CHECKED, AUDIT_MISMATCHES
 
 log = logging.getLogger("specfleet.audit")
 
