@@ -26,11 +26,12 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from jobstore import config
+from jobstore.errors import JobStoreError
 
 log = logging.getLogger("specfleet.redis")
 
 
-class RedisUnavailable(Exception):
+class RedisUnavailable(JobStoreError):
     """Redis cannot be reached or refused us; the message is safe to print."""
 
 

@@ -22,6 +22,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from jobstore import config
+from jobstore.errors import JobStoreError
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETION_URL = "/v1/completions"
@@ -133,7 +134,7 @@ class LineError:
         )
 
 
-class JobFileError(Exception):
+class JobFileError(JobStoreError):
     """The job file cannot be read at all (missing, a directory, unreadable)."""
 
 
@@ -305,6 +306,24 @@ def validate_file(
                 if problem is not None:
                     results = [problem]
         yield from results
+
+
+def validate(
+    path: str,
+    model_override: str | None,
+    check: Callable[[JobLine], LineError | None] | None,
+    on_error: Callable[[LineError], None],
+) -> tuple[int, int]:
+    """Validate the whole file, reporting every problem through on_error; returns the
+    (valid, invalid) line counts. Raises JobFileError when the file cannot be read."""
+    valid, invalid_lines = 0, set()
+    for item in validate_file(path, model_override, check):
+        if isinstance(item, LineError):
+            invalid_lines.add(item.line)
+            on_error(item)
+        else:
+            valid += 1
+    return valid, len(invalid_lines)
 
 
 def parse_line(number: int, raw: bytes, model_override: str | None = None) -> list:

@@ -28,14 +28,37 @@ missing, invalid or a duplicate: one result or error per key, ever.
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass
 
 from jobstore import config
+from jobstore.errors import BatchIdError
+
+#: The one function workers run; they refuse jobs naming anything else.
+JOB_FUNCTION = "worker.jobs.run_request"
+#: Called by RQ when a job raised, timed out or was abandoned (writes the error line
+#: once no retries are left).
+FAILURE_CALLBACK = "worker.jobs.on_job_failure"
 
 #: Batch hash fields of audit mode (`spec-worker --audit RATE`): requests re-run
 #: target-only, and how many of them came out different from the speculative output.
 AUDIT_CHECKED = "audit_checked"
 AUDIT_MISMATCHES = "audit_mismatches"
+
+
+def new_batch_id() -> str:
+    """`batch_<UTC time>_<random>`: sortable, unique, safe in keys and job ids."""
+    return f"batch_{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}_{secrets.token_hex(3)}"
+
+
+def check_batch_id(batch_id: str) -> str:
+    """The batch id, if it is safe in keys and RQ job ids; raises BatchIdError."""
+    if not config.ID_PATTERN.match(batch_id):
+        raise BatchIdError(
+            f"batch id must be 1 to 64 letters, digits, '_' or '-', got {batch_id!r}"
+        )
+    return batch_id
 
 
 def line_key(custom_id: str | None, line: int) -> str:

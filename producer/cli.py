@@ -15,17 +15,12 @@ import click
 import redis
 
 from jobstore import config
-from jobstore.connection import RedisUnavailable, connect, warn_if_evicting
-from jobstore.jobfile import JobFileError
-from jobstore.keys import Keys
+from jobstore.connection import connect, warn_if_evicting
+from jobstore.errors import JobStoreError
+from jobstore.jobfile import validate
+from jobstore.keys import Keys, check_batch_id, new_batch_id
 from producer import batches
-from producer.submit import (
-    SubmitError,
-    check_batch_id,
-    enqueue_file,
-    new_batch_id,
-    validate,
-)
+from producer.submit import enqueue_file
 from producer.tokencount import ContextChecker
 from reporting import progress
 
@@ -46,7 +41,7 @@ def _friendly_errors(name: str):
         def run(*args, **kwargs):
             try:
                 return func(*args, **kwargs)
-            except (RedisUnavailable, SubmitError, batches.BatchError, JobFileError) as exc:
+            except (JobStoreError, batches.BatchError) as exc:
                 _say(f"{name}: error: {exc}")
                 sys.exit(1)
             except redis.exceptions.ConnectionError as exc:

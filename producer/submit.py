@@ -13,7 +13,6 @@ nobody collects frees its memory by itself.
 
 from __future__ import annotations
 
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,34 +23,11 @@ from rq.serializers import JSONSerializer
 
 from jobstore import config, store
 from jobstore.jobfile import JobLine, LineError, validate_file
-from jobstore.keys import Keys, line_key
+from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION, Keys, line_key
 from jobstore.lines import dumps, error_line, line_id
-
-#: The one function workers run; they refuse jobs naming anything else.
-JOB_FUNCTION = "worker.jobs.run_request"
-#: Called by RQ when a job raised, timed out or was abandoned (writes the error line
-#: once no retries are left).
-FAILURE_CALLBACK = "worker.jobs.on_job_failure"
-
 
 #: While a file is being enqueued the batch is flagged for this long (refreshed per chunk).
 SUBMITTING_TTL_S = 600
-
-
-class SubmitError(Exception):
-    """The file cannot be submitted as asked; the message says why."""
-
-
-class InvalidJobFile(SubmitError):
-    """Some lines are invalid and --skip-invalid was not given: nothing was enqueued."""
-
-    def __init__(self, invalid_lines: int, valid_lines: int):
-        self.invalid_lines = invalid_lines
-        self.valid_lines = valid_lines
-        super().__init__(
-            f"{invalid_lines} invalid line(s), {valid_lines} valid: nothing was enqueued "
-            "(fix the lines, or pass --skip-invalid to run the valid ones)"
-        )
 
 
 @dataclass
@@ -64,35 +40,6 @@ class SubmitReport:
     already_pending: int = 0
     rerun: int = 0
     models: dict[str, int] = field(default_factory=dict)
-
-
-def new_batch_id() -> str:
-    """`batch_<UTC time>_<random>`: sortable, unique, safe in keys and job ids."""
-    return f"batch_{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}_{secrets.token_hex(3)}"
-
-
-def check_batch_id(batch_id: str) -> str:
-    if not config.ID_PATTERN.match(batch_id):
-        raise SubmitError(f"batch id must be 1 to 64 letters, digits, '_' or '-', got {batch_id!r}")
-    return batch_id
-
-
-def validate(
-    path: str,
-    model_override: str | None,
-    check: Callable[[JobLine], LineError | None] | None,
-    on_error: Callable[[LineError], None],
-) -> tuple[int, int]:
-    """First pass: report every problem through on_error; returns (valid, invalid) line
-    counts. Raises JobFileError when the file cannot be read."""
-    valid, invalid_lines = 0, set()
-    for item in validate_file(path, model_override, check):
-        if isinstance(item, LineError):
-            invalid_lines.add(item.line)
-            on_error(item)
-        else:
-            valid += 1
-    return valid, len(invalid_lines)
 
 
 def enqueue_file(

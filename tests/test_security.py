@@ -18,7 +18,7 @@ from rq.serializers import JSONSerializer
 from test_faults import private_redis  # noqa: F401 - a fixture
 from test_queue import _collect, read_jsonl, write_jobs
 
-from producer.submit import JOB_FUNCTION
+from jobstore.keys import JOB_FUNCTION
 
 LINES = [
     {"custom_id": "a", "prompt": "def f(x):", "max_tokens": 3},

@@ -24,9 +24,9 @@ from jobstore.connection import (
     connect,
     warn_if_evicting,
 )
-from jobstore.jobfile import JobFileError
-from jobstore.keys import Keys
-from producer.submit import SubmitError, check_batch_id, new_batch_id, validate
+from jobstore.errors import BatchIdError
+from jobstore.jobfile import JobFileError, validate
+from jobstore.keys import Keys, check_batch_id, new_batch_id
 
 log = logging.getLogger("specfleet.worker")
 
@@ -258,7 +258,7 @@ def run(
     _setup_logging("WARNING")
     try:
         batch_id = check_batch_id(batch_id) if batch_id else new_batch_id()
-    except SubmitError as exc:
+    except BatchIdError as exc:
         _fail("spec-run", str(exc))
     pair = _load_pair("spec-run", target, draft)
     alias = alias or model or pair.name

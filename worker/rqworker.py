@@ -39,7 +39,7 @@ from rq.worker import WorkerStatus
 
 from jobstore import config
 from jobstore.connection import ReconnectingRetry
-from producer.submit import FAILURE_CALLBACK, JOB_FUNCTION
+from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION
 
 log = logging.getLogger("specfleet.worker")
 
