@@ -20,7 +20,9 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
     P:worker:W           hash  a worker's lifetime counters and model
     P:refused            list  reports of jobs a worker refused to run (newest first)
 
-RQ's own keys: queue `P:A` (so `rq:queue:P:A`), jobs `rq:job:B-<line>`.
+RQ's own keys: queue `P:A` (so `rq:queue:P:A`), jobs `rq:job:B-<line>`, failed jobs
+`rq:failed:P:A`. Their names come from RQ's own classes (`Keys.rq_job`, `Keys.rq_failed`),
+never spelled by hand elsewhere.
 
 A line key is `c:<custom_id>`, or `l:<line>` for a rejected line whose custom_id is
 missing, invalid or a duplicate: one result or error per key, ever.
@@ -31,6 +33,9 @@ from __future__ import annotations
 import secrets
 import time
 from dataclasses import dataclass
+
+from rq.job import Job
+from rq.registry import FailedJobRegistry
 
 from jobstore import config
 from jobstore.errors import BatchIdError
@@ -77,6 +82,16 @@ class Keys:
 
     def queue_name(self, alias: str) -> str:
         return f"{self.prefix}:{alias}"
+
+    @staticmethod
+    def rq_job(job_id: str) -> str:
+        """RQ's hash of one job (a prefix of job keys when given a prefix of job ids)."""
+        key = Job.key_for(job_id)
+        return key.decode() if isinstance(key, bytes) else key  # bytes in older rq
+
+    def rq_failed(self, alias: str) -> str:
+        """RQ's failed-job registry of an alias's queue."""
+        return FailedJobRegistry.key_template.format(self.queue_name(alias))
 
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}"

@@ -206,7 +206,7 @@ def classify(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> li
     if not line_keys:
         return []
     script_keys = [keys.results(batch_id), keys.errors(batch_id), keys.requests(batch_id)]
-    out = conn.eval(_CLASSIFY, 3, *script_keys, f"rq:job:{batch_id}-", *line_keys)
+    out = conn.eval(_CLASSIFY, 3, *script_keys, keys.rq_job(f"{batch_id}-"), *line_keys)
     return [s.decode() if isinstance(s, bytes) else s for s in out]
 
 

@@ -235,9 +235,9 @@ def _delete(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> None:
         with conn.pipeline(transaction=False) as pipe:
             for line in chunk:
                 job_id = line_id(batch_id, line)
-                pipe.delete(f"rq:job:{job_id}")
+                pipe.delete(keys.rq_job(job_id))
                 for alias in models:
-                    pipe.zrem(f"rq:failed:{keys.queue_name(alias)}", job_id)
+                    pipe.zrem(keys.rq_failed(alias), job_id)
             pipe.execute()
     with conn.pipeline() as pipe:
         pipe.delete(*keys.batch_keys(batch_id))
@@ -276,8 +276,8 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
             for key, record in zip(chunk, records, strict=True):
                 job = JobLine.from_record(json.loads(record))
                 job_id = line_id(batch_id, job.line)
-                pipe.delete(f"rq:job:{job_id}")
-                pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", job_id)
+                pipe.delete(keys.rq_job(job_id))
+                pipe.zrem(keys.rq_failed(job.model), job_id)
                 jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
             for alias, datas in jobs.items():
                 queue = queues.setdefault(
@@ -300,7 +300,7 @@ def cancel(conn: Redis, keys: Keys, batch_id: str) -> int:
         for job_id in job_ids:
             line = int(job_id.rsplit("-", 1)[1])
             found = conn.zrangebyscore(keys.order(batch_id), line, line)
-            conn.delete(f"rq:job:{job_id}")
+            conn.delete(keys.rq_job(job_id))
             if not found:
                 continue
             key = _text(found[0])

@@ -164,8 +164,8 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report, t
             job = entry if entry.model else entry.with_model(default_model)
             if state == "error":  # forget the failed run's RQ job before enqueueing anew
                 job_id = line_id(batch_id, job.line)
-                pipe.delete(f"rq:job:{job_id}")
-                pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", job_id)
+                pipe.delete(keys.rq_job(job_id))
+                pipe.zrem(keys.rq_failed(job.model), job_id)
             pipe.hset(keys.requests(batch_id), key, dumps(job.to_record()))
             pipe.hset(keys.batch(batch_id), f"model:{job.model}", 1)
             jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
