@@ -7,4 +7,4 @@ so a machine that only submits installs without them; `producer` and `worker` bo
 import it and never each other.
 """
 
-__all__ = ["config", "connection", "errors", "jobfile", "keys", "limits", "lines", "store"]
+__all__ = ["config", "connection", "errors", "jobfile", "keys", "limits", "lines", "stats", "store"]

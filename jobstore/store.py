@@ -19,6 +19,7 @@ from redis import Redis
 from jobstore import config
 from jobstore.keys import Keys
 from jobstore.lines import dumps, error_line
+from jobstore.stats import drafter_of, summary
 
 log = logging.getLogger("specfleet.store")
 
@@ -252,7 +253,7 @@ def result_counters(usage: dict, stats: dict, busy_ms: int) -> dict[str, int]:
 
 def spec_summary(fields: dict[str, str]) -> dict:
     """The FORMATS.md `speculative_decoding` object from summed counters (hash fields
-    as stored by `store_line`); the same arithmetic as engine.SpecStats.to_dict."""
+    as stored by `store_line`), through jobstore.stats like engine.SpecStats.to_dict."""
 
     def n(name: str) -> int:
         return int(fields.get(name, 0) or 0)
@@ -261,24 +262,13 @@ def spec_summary(fields: dict[str, str]) -> dict:
         idx = sorted(int(k.split(":")[2]) for k in fields if k.startswith(f"sd:{short}:"))
         return [n(f"sd:{short}:{i}") for i in range(idx[-1] + 1)] if idx else []
 
-    drafters = sorted(k.split(":", 2)[2] for k in fields if k.startswith("sd:drafter:"))
-    steps, proposed, accepted = (
+    return summary(
+        drafter_of(k.split(":", 2)[2] for k in fields if k.startswith("sd:drafter:")),
         n("sd:num_spec_steps"),
         n("sd:num_draft_tokens"),
         n("sd:num_accepted_draft_tokens"),
+        n("sd:num_emitted_tokens"),
+        series("hist"),
+        series("dpp"),
+        series("app"),
     )
-    dpp, app = series("dpp"), series("app")
-    app += [0] * (len(dpp) - len(app))
-    return {
-        "drafter": drafters[0] if len(drafters) == 1 else ("mixed" if drafters else "none"),
-        "num_spec_steps": steps,
-        "num_draft_tokens": proposed,
-        "num_accepted_draft_tokens": accepted,
-        "draft_acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0,
-        "mean_acceptance_length": round(n("sd:num_emitted_tokens") / steps, 4) if steps else 0.0,
-        "acceptance_histogram": series("hist"),
-        "per_position_acceptance": [
-            round(a / d, 4) if d else 0.0 for a, d in zip(app, dpp, strict=True)
-        ],
-        "draft_tokens_per_position": dpp,
-    }

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 import click
 
+from jobstore import stats
+
 #: Worker name for lines that do not say which worker ran them (e.g. `spec-run`).
 LOCAL_WORKER = "local"
 
@@ -131,7 +133,7 @@ class Summary:
     generation_s: float = 0.0
     wall_s: float = 0.0
     num_spec_steps: int = 0
-    num_emitted_tokens: float = 0.0
+    num_emitted_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     acceptance_histogram: list[int] = field(default_factory=list)
@@ -154,18 +156,16 @@ class Summary:
 
     @property
     def draft_acceptance_rate(self) -> float:
-        n = self.num_draft_tokens
-        return self.num_accepted_draft_tokens / n if n else 0.0
+        return stats.rate(self.num_accepted_draft_tokens, self.num_draft_tokens)
 
     @property
     def mean_acceptance_length(self) -> float:
-        steps = self.num_spec_steps
-        return self.num_emitted_tokens / steps if steps else 0.0
+        return stats.rate(self.num_emitted_tokens, self.num_spec_steps)
 
     @property
     def per_position_acceptance(self) -> list[float]:
         return [
-            a / d if d else 0.0
+            stats.rate(a, d)
             for a, d in zip(self.accepted_per_position, self.draft_tokens_per_position, strict=True)
         ]
 
@@ -183,23 +183,6 @@ def _add(into: list, values: Iterable) -> None:
         into.extend([0] * (len(values) - len(into)))
     for i, v in enumerate(values):
         into[i] += v
-
-
-def _position_counts(spec: dict) -> tuple[list[int], list[int]]:
-    """(proposed, accepted) draft tokens per position of one line. Uses
-    `draft_tokens_per_position` when present; otherwise the accepted counts come from
-    the histogram (a step accepting j tokens accepted positions 0..j-1) and the
-    proposed counts from accepted / per_position_acceptance."""
-    ppa = [float(x) for x in spec.get("per_position_acceptance") or []]
-    dpp = spec.get("draft_tokens_per_position")
-    if dpp is not None:
-        dpp = [int(x) for x in dpp]
-        ppa = (ppa + [0.0] * len(dpp))[: len(dpp)]
-        return dpp, [round(p * d) for p, d in zip(ppa, dpp, strict=True)]
-    hist = [int(x) for x in spec.get("acceptance_histogram") or []]
-    accepted = [sum(hist[i + 1 :]) for i in range(len(ppa))]
-    steps = int(spec.get("num_spec_steps") or 0)
-    return [round(a / p) if p else steps for a, p in zip(accepted, ppa, strict=True)], accepted
 
 
 def summarize(lines: Iterable[Line]) -> Summary:
@@ -224,16 +207,15 @@ def summarize(lines: Iterable[Line]) -> Summary:
         spec = line.spec
         if not spec:
             continue
-        steps = int(spec.get("num_spec_steps") or 0)
-        s.drafters[spec.get("drafter", "none")] += 1
-        s.num_spec_steps += steps
-        s.num_emitted_tokens += float(spec.get("mean_acceptance_length") or 0.0) * steps
-        s.num_draft_tokens += int(spec.get("num_draft_tokens") or 0)
-        s.num_accepted_draft_tokens += int(spec.get("num_accepted_draft_tokens") or 0)
-        _add(s.acceptance_histogram, (int(x) for x in spec.get("acceptance_histogram") or []))
-        proposed, accepted = _position_counts(spec)
-        _add(s.draft_tokens_per_position, proposed)
-        _add(s.accepted_per_position, accepted + [0] * (len(proposed) - len(accepted)))
+        counts = stats.counters_of_line(spec, line.completion_tokens)
+        s.drafters[counts["drafter"]] += 1
+        s.num_spec_steps += counts["num_spec_steps"]
+        s.num_emitted_tokens += counts["num_emitted_tokens"]
+        s.num_draft_tokens += counts["num_draft_tokens"]
+        s.num_accepted_draft_tokens += counts["num_accepted_draft_tokens"]
+        _add(s.acceptance_histogram, counts["acceptance_histogram"])
+        _add(s.draft_tokens_per_position, counts["draft_tokens_per_position"])
+        _add(s.accepted_per_position, counts["accepted_per_position"])
         _add(s.accepted_per_position, [0] * len(s.draft_tokens_per_position))
     if last_end > first_start:
         s.wall_s = last_end - first_start
