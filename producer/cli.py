@@ -1,61 +1,31 @@
 """Console scripts of a machine that submits and collects: spec-submit, spec-status,
 spec-collect, spec-retry, spec-cancel. No MLX here.
 
-Exit codes: 0 done; 1 the request could not be done (invalid job file, unknown batch,
-Redis unreachable; one line on stderr says why); 2 bad command-line usage.
+Errors and exit codes follow jobstore.options: `<command>: error: <message>` on stderr;
+1 the request could not be done (invalid job file, unknown batch), 2 bad usage, 3 Redis
+unreachable, 130 Ctrl-C while watching.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
 import click
-import redis
 
 from jobstore import config
 from jobstore.connection import connect, warn_if_evicting
-from jobstore.errors import JobStoreError
 from jobstore.jobfile import validate
 from jobstore.keys import Keys, check_batch_id, new_batch_id
+from jobstore.options import fail, friendly_errors, redis_option
 from producer import batches
 from producer.submit import enqueue_file
 from producer.tokencount import ContextChecker
 from reporting import progress
 
-REDIS_HELP = (
-    "Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL, else " + config.DEFAULT_REDIS_URL + "]"
-)
-
 
 def _say(message: str) -> None:
     click.echo(message, err=True)
-
-
-def _friendly_errors(name: str):
-    """Turn the errors a user can act on into one line on stderr and exit code 1."""
-
-    def wrap(func):
-        @functools.wraps(func)
-        def run(*args, **kwargs):
-            try:
-                return func(*args, **kwargs)
-            except (JobStoreError, batches.BatchError) as exc:
-                _say(f"{name}: error: {exc}")
-                sys.exit(1)
-            except redis.exceptions.ConnectionError as exc:
-                url = config.redact(config.redis_url(kwargs.get("redis_url")))
-                _say(f"{name}: error: lost the connection to Redis at {url}: {exc}")
-                sys.exit(1)
-
-        return run
-
-    return wrap
-
-
-def _redis_option(func):
-    return click.option("--redis", "redis_url", metavar="URL", help=REDIS_HELP)(func)
 
 
 def _follow_hint(batch_id: str, redis_url: str | None) -> str:
@@ -68,7 +38,7 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
 
 @click.command()
 @click.argument("jobs_file", metavar="JOBS.jsonl")
-@_redis_option
+@redis_option
 @click.option(
     "--model",
     metavar="ALIAS",
@@ -95,7 +65,7 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
     metavar="FILE",
     help="With --wait: write error lines here (default: into -o).",
 )
-@_friendly_errors("spec-submit")
+@friendly_errors("spec-submit", batches.BatchError)
 def submit(
     jobs_file, redis_url, model, batch_id, skip_invalid, result_ttl, wait, output, errors_path
 ):
@@ -115,14 +85,13 @@ def submit(
 
     valid, invalid = validate(jobs_file, model, checker, lambda e: _say(e.format(jobs_file)))
     if invalid and not skip_invalid:
-        _say(
-            f"spec-submit: {jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
-            "enqueued (fix them, or pass --skip-invalid to run the valid lines)"
+        fail(
+            "spec-submit",
+            f"{jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
+            "enqueued (fix them, or pass --skip-invalid to run the valid lines)",
         )
-        sys.exit(1)
     if valid + invalid == 0:
-        _say(f"spec-submit: {jobs_file}: no requests (the file is empty)")
-        sys.exit(1)
+        fail("spec-submit", f"{jobs_file}: no requests (the file is empty)")
 
     report = enqueue_file(
         conn, keys, jobs_file, batch_id, config.DEFAULT_MODEL, model, checker, result_ttl
@@ -189,14 +158,14 @@ def _collected(counts: dict, output: str, errors_path: str | None) -> str:
 
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
-@_redis_option
+@redis_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status object (FORMATS.md).")
 @click.option(
     "--watch",
     is_flag=True,
     help="Follow the batch until it is finished (live on a terminal, else a line at intervals).",
 )
-@_friendly_errors("spec-status")
+@friendly_errors("spec-status", batches.BatchError)
 def status(batch_id, redis_url, as_json, watch):
     """Show a batch's progress: counts, throughput, acceptance, ETA, workers, audit.
 
@@ -252,7 +221,7 @@ def status(batch_id, redis_url, as_json, watch):
 
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
-@_redis_option
+@redis_option
 @click.option("-o", "--output", required=True, metavar="FILE", help="Results file to write.")
 @click.option(
     "--errors", "errors_path", metavar="FILE", help="Error lines file (default: into -o)."
@@ -265,7 +234,7 @@ def status(batch_id, redis_url, as_json, watch):
     is_flag=True,
     help="Delete the batch from Redis once written (finished batches only).",
 )
-@_friendly_errors("spec-collect")
+@friendly_errors("spec-collect", batches.BatchError)
 def collect(batch_id, redis_url, output, errors_path, order, delete):
     """Write a batch's result lines (and error lines) to files."""
     conn = connect(redis_url)
@@ -275,8 +244,8 @@ def collect(batch_id, redis_url, output, errors_path, order, delete):
 
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
-@_redis_option
-@_friendly_errors("spec-retry")
+@redis_option
+@friendly_errors("spec-retry", batches.BatchError)
 def retry(batch_id, redis_url):
     """Queue again the lines of a batch that ended in an error line."""
     conn = connect(redis_url)
@@ -286,8 +255,8 @@ def retry(batch_id, redis_url):
 
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
-@_redis_option
-@_friendly_errors("spec-cancel")
+@redis_option
+@friendly_errors("spec-cancel", batches.BatchError)
 def cancel(batch_id, redis_url):
     """Cancel a batch: waiting lines are removed (error code `cancelled`); running ones finish."""
     conn = connect(redis_url)

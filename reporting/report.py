@@ -10,7 +10,6 @@ from __future__ import annotations
 import html
 import json
 import math
-import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator
@@ -19,6 +18,7 @@ from dataclasses import dataclass, field
 import click
 
 from jobstore import stats
+from jobstore.options import friendly_errors, redis_option
 
 #: Worker name for lines that do not say which worker ran them (e.g. `spec-run`).
 LOCAL_WORKER = "local"
@@ -559,13 +559,9 @@ def render(lines: list[Line], title: str = "specfleet batch report") -> str:
     "--results", "results_path", metavar="FILE", help="Local results.jsonl (instead of BATCH)."
 )
 @click.option("--errors", "errors_path", metavar="FILE", help="Local errors.jsonl, with --results.")
-@click.option(
-    "--redis",
-    "redis_url",
-    metavar="URL",
-    help="Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL].",
-)
+@redis_option
 @click.option("-o", "--output", required=True, metavar="FILE", help="HTML file to write.")
+@friendly_errors("spec-report", ReportError)
 def main(batch_id, results_path, errors_path, redis_url, output):
     """Write a one-file HTML report (summary, per-worker table, plots) for BATCH in
     Redis, or for local result lines with --results [--errors]."""
@@ -573,18 +569,14 @@ def main(batch_id, results_path, errors_path, redis_url, output):
         raise click.UsageError("give either BATCH or --results FILE")
     if errors_path and not results_path:
         raise click.UsageError("--errors goes with --results")
-    try:
-        if results_path:
-            lines = list(read_jsonl(results_path))
-            if errors_path:
-                lines += list(read_jsonl(errors_path))
-            title = f"specfleet report: {results_path}"
-        else:
-            lines = _batch_lines(batch_id, redis_url)
-            title = f"specfleet report: batch {batch_id}"
-    except ReportError as exc:
-        click.echo(f"spec-report: error: {exc}", err=True)
-        sys.exit(1)
+    if results_path:
+        lines = list(read_jsonl(results_path))
+        if errors_path:
+            lines += list(read_jsonl(errors_path))
+        title = f"specfleet report: {results_path}"
+    else:
+        lines = _batch_lines(batch_id, redis_url)
+        title = f"specfleet report: batch {batch_id}"
     page = render(lines, title)
     with open(output, "w", encoding="utf-8") as f:
         f.write(page)
@@ -597,11 +589,7 @@ def main(batch_id, results_path, errors_path, redis_url, output):
 
 
 def _batch_lines(batch_id: str, redis_url: str | None) -> list[Line]:
-    from jobstore.connection import RedisUnavailable, connect
+    from jobstore.connection import connect
     from jobstore.keys import Keys
 
-    try:
-        conn = connect(redis_url)
-    except RedisUnavailable as exc:
-        raise ReportError(str(exc)) from exc
-    return list(read_batch(conn, Keys.default(), batch_id))
+    return list(read_batch(connect(redis_url), Keys.default(), batch_id))

@@ -83,7 +83,7 @@ def test_bad_line_is_reported_and_nothing_is_enqueued(redis_env, tmp_path, kind,
     lines = result.stderr.splitlines()
     assert lines[: len(expected)] == [f"{path}:2: {m}" for m in expected]
     assert lines[len(expected)] == (
-        f"spec-submit: {path}: 1 invalid line(s), 2 valid: nothing was enqueued "
+        f"spec-submit: error: {path}: 1 invalid line(s), 2 valid: nothing was enqueued "
         "(fix them, or pass --skip-invalid to run the valid lines)"
     )
     assert result.stdout == ""
@@ -214,7 +214,7 @@ def test_unreachable_redis_is_one_line_with_the_password_redacted(tmp_path, monk
         result = subprocess.run(
             [script(command), *args, "--redis", url], capture_output=True, text=True, timeout=60
         )
-        assert result.returncode == 1, (command, result.stderr)
+        assert result.returncode == 3, (command, result.stderr)
         assert result.stderr.startswith(
             f"{command}: error: cannot reach Redis at redis://:***@127.0.0.1:1/0: "
         ), result.stderr

@@ -509,7 +509,7 @@ def test_ten_thousand_lines_with_one_percent_malformed(redis_env, start_worker, 
     for number, message in bad.items():
         assert any(message in x for x in reported[number]), (number, reported[number])
     assert stderr.splitlines()[-1] == (
-        f"spec-submit: {path}: {len(bad)} invalid line(s), {len(valid)} valid: nothing was "
+        f"spec-submit: error: {path}: {len(bad)} invalid line(s), {len(valid)} valid: nothing was "
         "enqueued (fix them, or pass --skip-invalid to run the valid lines)"
     )
     assert redis_env.conn.exists(redis_env.keys.batch(batch)) == 0  # nothing enqueued

@@ -272,7 +272,7 @@ def test_report_from_a_batch_in_redis(redis_url, files, tmp_path, monkeypatch):
 
 def test_redis_down_is_one_clear_line(tmp_path):
     res = _run(["b1", "--redis", f"redis://:pw@127.0.0.1:{_free_port()}/0", "-o", "x.html"])
-    assert res.exit_code == 1
+    assert res.exit_code == 3
     assert "cannot reach Redis at redis://:***@127.0.0.1" in res.output and "pw" not in res.output
 
 
