@@ -1,7 +1,7 @@
 """specfleet's engine: lossless speculative decoding on MLX.
 
 Public API: load_pair, ModelPair, GenerationRequest, GenerationResult, SpecStats,
-generate, generate_many (batched), stream, count_prompt_tokens, and the errors below EngineError.
+generate, generate_many (batched), stream (StreamItem pieces, the last with the result), count_prompt_tokens, and the errors below EngineError.
 
 MLX is imported on first use of anything that needs it (after a fast system BLAS
 is loaded on Linux), so `engine.types` stays cheap to import.
@@ -23,6 +23,7 @@ from .types import (  # noqa: E402
     ModelLoadError,
     RequestExpired,
     SpecStats,
+    StreamItem,
     TokenizerMismatchError,
 )
 
@@ -37,6 +38,7 @@ __all__ = [
     "ModelPair",
     "RequestExpired",
     "SpecStats",
+    "StreamItem",
     "TokenizerMismatchError",
     "count_prompt_tokens",
     "generate",

@@ -1,19 +1,27 @@
-"""Choosing how many tokens to draft ("auto"), from acceptance and costs.
+"""Choosing how many tokens to draft ("auto"), from acceptance and measured costs.
 
 With per-token acceptance a and K draft tokens, one verify step emits on average
-E(K) = (1 - a^(K+1)) / (1 - a) tokens and costs verify(K) + K * draft_step
-seconds. The controller picks the K in 0..max that maximises tokens per second;
-K = 0 is plain decoding, so speculation that does not pay backs off by itself,
-and a probe every so often re-measures acceptance.
+E(K) = (1 - a^(K+1)) / (1 - a) tokens. A step over a batch of b rows costs one
+target pass over b * (K + 1) positions (inputs are padded to the widest row) plus
+K draft passes over the rows the draft model drafts for. `choose_batch_k` picks the
+K with the most expected tokens per second for the whole batch, K = 0 (plain
+decoding) unless speculation beats it by a margin, and never probes a shape where
+even perfect acceptance could not pay (a saturated device: batching and speculation
+compete for the same compute).
 
-Greedy requests use costs measured live in this process: their output cannot
-depend on K. Sampled requests use a static cost model fixed by the pair and the
-device, so the K schedule, and with it the output for a given seed, depends only
-on the request itself.
+Pass costs are a curve of seconds against positions per pass, measured once per
+model at start-up (`measure_pass_costs`) and rescaled as a whole by live timings,
+so a load burst slows every K alike and no K is shunned for good; batch sizes in
+between measured points are interpolated.
+
+Greedy requests use these live costs: their output cannot depend on K. Sampled
+requests follow a static, per-request schedule (`DraftPlan`) fixed by the pair and
+the device, so the output for a given seed depends only on the request itself.
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from dataclasses import dataclass, field
 
@@ -21,29 +29,99 @@ import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 MAX_AUTO_DRAFT = 8
+# Lookup drafts cost no draft passes, so they may run longer than model drafts.
+LOOKUP_MAX_DRAFT = 12
 PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 4.0
 DECAY = 0.9
 EMA = 0.1
-PROBE_FIRST, PROBE_MAX = 8, 64
-# Lookup drafts cost no draft passes, so they may run longer than model drafts.
-LOOKUP_MAX_DRAFT = 12
+SHAPE_EMA = 0.05
+PROBE_FIRST, PROBE_MAX = 8, 256
+# Speculation must beat plain decoding by this much in the model before it is used:
+# a step the model over-rates costs real time, one it under-rates costs nothing.
+MARGIN = 0.03
 # Acceptance of lookup drafts taken inside a model-drafted request (key in the controller).
 HYBRID_LOOKUP = "model+lookup"
+PASS_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320)
 
 
 def expected_tokens(a: float, k: int) -> float:
     """Expected tokens emitted by one verify step with k drafts at acceptance a."""
-    if k == 0:
+    if k <= 0:
         return 1.0
     if a >= 1.0:
         return k + 1.0
     return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
+class PassCosts:
+    """Seconds of one forward pass of a model over n positions (all rows together).
+
+    A piecewise-linear curve through measured points (made non-decreasing: more
+    positions never cost less), extrapolated linearly past the last, times a live
+    scale factor that follows the machine's load, times a slower per-size
+    correction learnt from the pass sizes that actually run, so a curve measured
+    on a short context or under a load burst mends itself.
+    """
+
+    def __init__(self, points: dict[int, float]):
+        self.sizes = sorted(points)
+        self.seconds = []
+        for s in self.sizes:
+            self.seconds.append(max([points[s], *self.seconds[-1:]]))
+        self.scale = 1.0
+        self.correction: dict[int, float] = {}
+
+    def _curve(self, n: int) -> float:
+        s, t = self.sizes, self.seconds
+        if len(s) == 1:
+            return t[0] * max(n, 1) / s[0]
+        i = bisect.bisect_left(s, n)
+        if i < len(s) and s[i] == n:
+            return t[i]
+        lo, hi = (i - 1, i) if 0 < i < len(s) else ((0, 1) if i == 0 else (-2, -1))
+        slope = (t[hi] - t[lo]) / (s[hi] - s[lo])
+        return max(t[lo] + slope * (n - s[lo]), 1e-9)
+
+    def __call__(self, n: int) -> float:
+        return self._curve(n) * self.correction.get(n, 1.0) * self.scale
+
+    def observe(self, n: int, seconds: float) -> None:
+        """Fold one measured pass (or the mean of several) into the live factors."""
+        curve = self._curve(n) * self.correction.get(n, 1.0)
+        if curve <= 0 or seconds <= 0:
+            return
+        self.scale += EMA * (seconds / curve - self.scale)
+        # What the load factor does not explain belongs to this size.
+        c = self.correction.get(n, 1.0)
+        self.correction[n] = c + SHAPE_EMA * (seconds / (self._curve(n) * self.scale) - c)
+
+
+def static_pass_costs(per_position: float) -> PassCosts:
+    """A deterministic curve in decode-step units: 1 + per_position * (n - 1)."""
+    return PassCosts({1: 1.0, 512: 1.0 + per_position * 511})
+
+
+def measure_pass_costs(model, sizes=PASS_SIZES, reps: int = 2, context: int = 32) -> PassCosts:
+    """Time a forward pass over n positions (one row) after a short context."""
+    ctx = mx.array([[1] * context])
+    points = {}
+    for n in sizes:
+        cache = make_prompt_cache(model)
+        mx.eval(model(ctx, cache=cache))
+        best = float("inf")
+        for _ in range(reps + 1):  # the first pass warms up kernels
+            t0 = time.perf_counter()
+            mx.eval(model(mx.array([[1] * n]), cache=cache))
+            best = min(best, time.perf_counter() - t0)
+            trim_prompt_cache(cache, n)
+        points[n] = best
+    return PassCosts(points)
+
+
 @dataclass
 class CostModel:
-    """Seconds per draft token and per target pass over k + 1 tokens (k = 0..)."""
+    """Per-request costs in decode-step units: a draft step, and verify(k) for k drafts."""
 
     draft_step: float
     verify: list[float]
@@ -57,59 +135,17 @@ class CostModel:
         rates = [expected_tokens(a, k) / self.step_cost(k, drafts_cost) for k in range(k_max + 1)]
         return max(range(k_max + 1), key=lambda k: (rates[k], -k))
 
-    def observe(self, k: int, verify_s: float, draft_s: float) -> None:
-        """Fold one measured step into the moving averages.
-
-        The verify curve keeps its calibrated shape and moves as a whole: a load
-        burst while one K runs slows every K alike, and no K is shunned for good.
-        """
-        if k < len(self.verify) and self.verify[k] > 0:
-            factor = 1.0 + EMA * (verify_s / self.verify[k] - 1.0)
-            self.verify = [v * factor for v in self.verify]
-        if k > 0 and draft_s > 0:
-            self.draft_step += EMA * (draft_s / k - self.draft_step)
-
 
 def static_costs(target_params: int, draft_params: int, on_gpu: bool) -> CostModel:
-    """A deterministic cost model from sizes and device kind, in decode-step units.
+    """A deterministic per-request cost model from sizes and device kind.
 
     Verifying k extra tokens is nearly free on a GPU and costs ~0.25 of a decode
     step each on a CPU (measured: see NOTES.md); a draft step costs its share of
-    parameters, with a floor for per-step overhead.
+    parameters, with a floor for per-pass overhead.
     """
     per_token = 0.03 if on_gpu else 0.25
     ratio = max(draft_params / max(target_params, 1), 0.05)
-    return CostModel(ratio, [1.0 + per_token * k for k in range(MAX_AUTO_DRAFT + 9)])
-
-
-def measure_costs(pair, reps: int = 3, sizes=(0, 1, 2, 4, 8)) -> CostModel:
-    """Time target passes over k + 1 tokens and draft steps on a short context."""
-    context = mx.array([[1] * 16])
-
-    def timed(model, n: int) -> float:
-        cache = make_prompt_cache(model)
-        mx.eval(model(context, cache=cache))
-        best = float("inf")
-        for _ in range(reps + 1):  # the first pass warms up kernels
-            t0 = time.perf_counter()
-            mx.eval(model(mx.array([[1] * n]), cache=cache))
-            best = min(best, time.perf_counter() - t0)
-            trim_prompt_cache(cache, n)
-        return best
-
-    measured = {k: timed(pair.target, k + 1) for k in sizes}
-    verify = []
-    for k in range(MAX_AUTO_DRAFT + 9):  # linear interpolation between measured sizes
-        lo = max(s for s in sizes if s <= k)
-        hi = min((s for s in sizes if s >= k), default=lo)
-        if hi == lo:
-            slope = (measured[sizes[-1]] - measured[sizes[-2]]) / (sizes[-1] - sizes[-2])
-            verify.append(measured[lo] + slope * (k - lo))
-        else:
-            w = (k - lo) / (hi - lo)
-            verify.append(measured[lo] * (1 - w) + measured[hi] * w)
-    draft = timed(pair.draft, 1) if pair.draft is not None else 0.0
-    return CostModel(draft, verify)
+    return CostModel(ratio, [1.0 + per_token * k for k in range(LOOKUP_MAX_DRAFT + 1)])
 
 
 @dataclass
@@ -132,48 +168,13 @@ class Acceptance:
 
 
 @dataclass
-class DraftController:
-    """Per-process state for "auto": live costs and acceptance per drafter."""
-
-    live: CostModel
-    static: CostModel
-    acceptance: dict = field(default_factory=dict)
-
-    @classmethod
-    def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
-        on_gpu = mx.default_device() == mx.gpu
-        t_params = pair.info()["target_parameters"]
-        d_params = pair.info()["draft_parameters"]
-        static = static_costs(t_params, d_params, on_gpu)
-        live = measure_costs(pair) if calibrate else static_costs(t_params, d_params, on_gpu)
-        return cls(live=live, static=static)
-
-    def plan(self, drafter: str, greedy: bool, k_max: int = MAX_AUTO_DRAFT) -> DraftPlan:
-        """Start the per-request schedule for one request.
-
-        A greedy request drafted by the model also gets a `lookup` sub-plan: on steps
-        where the text so far repeats itself (its last two tokens occurred before),
-        the tokens that followed last time are a free draft (see core.py). Greedy
-        output does not depend on the drafts, so this changes speed only. Sampled
-        requests keep to their one drafter, so their schedule stays fixed.
-        """
-        if greedy:
-            plan = self._greedy_plan(drafter, k_max)
-            if drafter == "model":
-                plan.lookup = self._greedy_plan(HYBRID_LOOKUP, LOOKUP_MAX_DRAFT)
-            return plan
-        return DraftPlan(self.static, Acceptance(), k_max, drafter, shared=None)
-
-    def _greedy_plan(self, key: str, k_max: int) -> DraftPlan:
-        prior = self.acceptance.setdefault(key, Acceptance())
-        start = Acceptance(prior.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
-        drafter = "lookup" if key == HYBRID_LOOKUP else key
-        return DraftPlan(self.live, start, k_max, drafter, shared=prior)
-
-
-@dataclass
 class DraftPlan:
-    """One request's draft-length schedule: choose() before a step, observe() after."""
+    """One request's acceptance, and for sampled requests its own fixed schedule.
+
+    Greedy rows are scheduled by the batch (`choose_batch_k`); a sampled row calls
+    `choose()` before a step, which depends only on its own history, and `observe()`
+    after.
+    """
 
     costs: CostModel
     acceptance: Acceptance
@@ -196,13 +197,150 @@ class DraftPlan:
                 return 1
         return k
 
-    def observe(self, proposed: int, accepted: int, verify_s: float, draft_s: float) -> None:
+    def observe(self, proposed: int, accepted: int) -> None:
         self.acceptance.observe(proposed, accepted)
         if self.shared is not None:
             self.shared.observe(proposed, accepted)
-            # Only a model drafter's timing says what a draft step costs.
-            self.costs.observe(proposed, verify_s, draft_s if self.drafter == "model" else 0.0)
         if self.probing:
             # A failed probe waits twice as long before the next one.
             ok = accepted == proposed
             self.probe_interval = PROBE_FIRST if ok else min(self.probe_interval * 2, PROBE_MAX)
+
+
+@dataclass(frozen=True)
+class AutoRow:
+    """A greedy "auto" row as the batch chooser sees it for one step."""
+
+    acceptance: float
+    cap: int  # most drafts this row can take (its proposal length, budget, drafter cap)
+    free: bool  # its drafts need no draft-model pass (prompt lookup)
+
+
+@dataclass(frozen=True)
+class FixedRow:
+    """A row whose draft length is already fixed this step (a number, or a sampled plan)."""
+
+    k: int
+    acceptance: float
+    model: bool  # drafted by the draft model
+
+
+@dataclass
+class DraftController:
+    """Per-process state for "auto": pass costs of both models, acceptance priors.
+
+    `target` and `draft` are PassCosts in seconds (measured at start-up, or static
+    in decode-step units when not calibrated); `static` is the per-request model
+    sampled rows schedule by.
+    """
+
+    target: PassCosts
+    draft: PassCosts | None
+    static: CostModel
+    acceptance: dict = field(default_factory=dict)
+    probe_interval: int = PROBE_FIRST
+    steps_since_probe: int = 0
+    probing: bool = False  # the last choose_batch_k was a probe
+
+    @classmethod
+    def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
+        on_gpu = mx.default_device() == mx.gpu
+        t_params = pair.info()["target_parameters"]
+        d_params = pair.info()["draft_parameters"]
+        static = static_costs(t_params, d_params, on_gpu)
+        if calibrate:
+            target = measure_pass_costs(pair.target)
+            draft = measure_pass_costs(pair.draft, sizes=PASS_SIZES[:10]) if pair.draft else None
+        else:
+            target = static_pass_costs(static.verify[1] - 1.0)
+            draft = PassCosts({1: static.draft_step}) if pair.draft is not None else None
+        return cls(target=target, draft=draft, static=static)
+
+    def plan(self, drafter: str, greedy: bool, k_max: int = MAX_AUTO_DRAFT) -> DraftPlan:
+        """Start the per-request state of one "auto" request.
+
+        A greedy request drafted by the model also gets a `lookup` sub-plan: on steps
+        where its text repeats itself (its last two tokens occurred before), the tokens
+        that followed last time are a free draft. Greedy output does not depend on the
+        drafts, so this changes speed only. Sampled requests keep to their one drafter.
+        """
+        if greedy:
+            plan = self._greedy_plan(drafter, k_max)
+            if drafter == "model":
+                plan.lookup = self._greedy_plan(HYBRID_LOOKUP, LOOKUP_MAX_DRAFT)
+            return plan
+        return DraftPlan(self.static, Acceptance(), k_max, drafter, shared=None)
+
+    def _greedy_plan(self, key: str, k_max: int) -> DraftPlan:
+        prior = self.acceptance.setdefault(key, Acceptance())
+        start = Acceptance(prior.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
+        drafter = "lookup" if key == HYBRID_LOOKUP else key
+        return DraftPlan(self.static, start, k_max, drafter, shared=prior)
+
+    # -- the batch's draft length --------------------------------------------------
+    def step_seconds(self, rows: int, width: int, depth: int, drafted_rows: int) -> float:
+        """Predicted seconds of one step: `depth` draft passes over `drafted_rows` rows,
+        then one target pass over rows * width positions."""
+        cost = self.target(rows * width)
+        if depth and self.draft is not None and drafted_rows:
+            cost += depth * self.draft(drafted_rows)
+        return cost
+
+    def _rate(self, auto, fixed, k, rows, drafted_rows, perfect=False) -> float:
+        tokens = sum(expected_tokens(f.acceptance, f.k) for f in fixed)
+        depth = max((f.k for f in fixed if f.model), default=0)
+        width = max((f.k for f in fixed), default=0)
+        for r in auto:
+            kk = min(k, r.cap)
+            tokens += expected_tokens(1.0 if perfect else r.acceptance, kk)
+            width = max(width, kk)
+            if not r.free:
+                depth = max(depth, kk)
+        return tokens / self.step_seconds(rows, width + 1, depth, drafted_rows)
+
+    def choose_batch_k(self, auto: list[AutoRow], fixed: list[FixedRow], drafted_rows: int) -> int:
+        """One draft length for every greedy "auto" row of a step (each capped by its
+        own `cap`): the most expected tokens per second for the whole batch."""
+        self.probing = False
+        if not auto:
+            return 0
+        rows = len(auto) + len(fixed)
+        k_max = max(r.cap for r in auto)
+        if k_max == 0:
+            return 0
+        base = self._rate(auto, fixed, 0, rows, drafted_rows)
+        rates = {k: self._rate(auto, fixed, k, rows, drafted_rows) for k in range(1, k_max + 1)}
+        best = max(rates, key=lambda k: (rates[k], -k))
+        if rates[best] > base * (1 + MARGIN):
+            self.steps_since_probe = 0
+            return best
+        # Speculation does not pay at today's acceptance. If it could not pay even if
+        # every draft were accepted, never probe this shape; else probe now and then
+        # so acceptance stays measured, less often after each failed probe.
+        ceiling = max(
+            self._rate(auto, fixed, k, rows, drafted_rows, perfect=True)
+            for k in range(1, k_max + 1)
+        )
+        if ceiling <= base * (1 + MARGIN):
+            return 0
+        self.steps_since_probe += 1
+        if self.steps_since_probe >= self.probe_interval:
+            self.steps_since_probe = 0
+            self.probing = True
+            return 1
+        return 0
+
+    def probe_result(self, proposed: int, accepted: int) -> None:
+        """After a probe step: all accepted resets the interval, else it doubles."""
+        if proposed and accepted == proposed:
+            self.probe_interval = PROBE_FIRST
+        else:
+            self.probe_interval = min(self.probe_interval * 2, PROBE_MAX)
+
+    def observe_step(
+        self, rows: int, width: int, verify_s: float, depth: int, drafted_rows: int, draft_s: float
+    ) -> None:
+        """Fold one measured step into the live scale factors."""
+        self.target.observe(rows * width, verify_s)
+        if depth and drafted_rows and self.draft is not None and draft_s > 0:
+            self.draft.observe(drafted_rows, draft_s / depth)

@@ -1,34 +1,44 @@
-"""Batched speculation across requests: one target pass verifies every row's draft.
+"""The one speculative decoder: a batch of rows, each its own request (one row is
+a single request).
 
-Rows join (`add`) and leave (`remove`) between steps. Each row keeps its own
-drafter, sampling settings, seed and draft length; inputs are right-padded to a
-common width and each row keeps exactly the positions it accepted (ragged.py),
-so every row's output is what it would be alone: greedy rows equal their
-single-request output, and sampled rows use the same acceptance rule and the
-same (seed, position)-keyed randomness as the single-request decoder.
+One step: every row gets a draft (from the draft model, prompt lookup, or none),
+one target pass scores every row's pending token plus its drafts (right-padded to
+the widest row), each row keeps its longest acceptable prefix plus one token from
+the target (the correction at the first rejection, or a bonus token when all pass;
+see core.py), and every cache rolls back to exactly what its row accepted
+(ragged.py: rows roll back on their own). Rows join (`add`) and leave (`remove`)
+between steps; joining rows are prefilled together in one batched pass.
 
-Greedy rows under "auto" share one draft length chosen for the whole batch from
-measured batched costs (on a saturated device, batching and speculation compete
-for the same compute; K = 0 is batched plain decoding). Sampled rows follow
-their own deterministic schedule, so their output does not depend on the batch.
+Every row's output is what it would be alone: greedy rows equal target-only
+decoding, and sampled rows use the same acceptance rule and the same
+(seed, position)-keyed randomness wherever they run.
+
+Draft lengths: a row with a number drafts that many; a sampled "auto" row follows
+its own fixed schedule (adaptive.DraftPlan), so its output does not depend on the
+batch; greedy "auto" rows share one length that the controller picks for the
+whole batch from measured pass costs (adaptive.DraftController.choose_batch_k),
+K = 0 whenever speculation does not pay. A greedy "auto" row drafted by the model
+takes free prompt-lookup drafts instead on steps where its text repeats itself.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import mlx.core as mx
 
 from . import core, sampling
-from .adaptive import MAX_AUTO_DRAFT, CostModel, expected_tokens
-from .core import MAX_DRAFT_TOKENS, PREFILL_CHUNK, Step
-from .drafters import LookupIndex
+from .adaptive import MAX_AUTO_DRAFT, AutoRow, FixedRow
+from .core import MAX_DRAFT_TOKENS, Step
+from .drafters import LookupIndex, ModelProposer, prefill_rows
 from .ragged import make_ragged_cache
-from .sampling import DRAW_DRAFT
 
 COMPACT_WASTE = 0.5
-EMA = 0.2
+# A hybrid row drafts by lookup when its last HYBRID_MIN_NGRAM tokens occurred before:
+# single-token matches are too often chance (measured on code: 2.1 tokens accepted per
+# 1-gram proposal against 2.9 per 2-gram one).
+HYBRID_MIN_NGRAM = 2
 
 
 @dataclass
@@ -36,60 +46,45 @@ class _Row:
     key: object
     params: sampling.SamplingParams
     seed: int
-    drafter: str
+    drafter: str  # "model", "lookup" or "none"
     fixed_k: int | None
-    plan: object
+    plan: object  # adaptive.DraftPlan for "auto", else None
     max_tokens: int
     target_pending: int
-    draft_pending: list[int] = field(default_factory=list)
-    lookup: LookupIndex | None = None
+    lookup: LookupIndex | None = None  # lookup drafter, or greedy auto "model" (hybrid)
     generated: int = 0
 
+    @property
+    def greedy_auto(self) -> bool:
+        return self.params.greedy and self.fixed_k is None and self.plan is not None
 
-class BatchCosts:
-    """Measured seconds of batched steps, by batch size and draft length."""
+    def budget(self) -> int:
+        # Never draft past max_tokens: the step's own target token is the last one.
+        return max(0, min(MAX_DRAFT_TOKENS, self.max_tokens - self.generated - 1))
 
-    def __init__(self, single: CostModel):
-        self.single = single
-        self.table: dict[tuple[int, int], float] = {}
-        self.draft: dict[int, float] = {}
 
-    def estimate(self, batch: int, k: int) -> float:
-        if (batch, k) in self.table:
-            return self.table[(batch, k)]
-        # Before measuring: cost grows with the tokens verified, as for one row.
-        tokens = batch * (k + 1)
-        per = self.single.verify
-        extra = max(tokens - len(per), 0) * (per[-1] - per[-2])
-        return (
-            per[min(tokens, len(per)) - 1]
-            + extra
-            + k * self.draft.get(batch, self.single.draft_step)
-        )
+@dataclass
+class _Choice:
+    """A row's draft for this step: how many tokens, from where, and the tokens of a
+    lookup proposal (model drafts come later, in one batched pass)."""
 
-    def observe(self, batch: int, k: int, seconds: float, draft_s: float) -> None:
-        old = self.table.get((batch, k), self.estimate(batch, k))
-        self.table[(batch, k)] = old + EMA * (seconds - old)
-        if k:
-            d = self.draft.get(batch, self.single.draft_step)
-            self.draft[batch] = d + EMA * (draft_s / k - d)
+    k: int = 0
+    source: str = "none"  # "model", "lookup" or "none"
+    tokens: list | None = None
 
 
 class BatchDecoder:
-    """Decode many requests together. `add` rows, call `step` until they finish."""
+    """Decode one or many requests together. `add` rows, call `step` until they finish."""
 
     def __init__(self, pair):
         self.pair = pair
         self.rows: list[_Row] = []
         self.t_rows, self.t_cache = make_ragged_cache(pair.target, 0)
-        self.d_rows, self.d_cache = (None, None)
+        self.proposer = None
         if pair.draft is not None:
-            self.d_rows, self.d_cache = make_ragged_cache(pair.draft, 0)
-        self.d_members: list[_Row] = []  # rows in the draft cache, in its row order
+            self.proposer = ModelProposer(pair.draft, pair.draft_vocab, pair.target_vocab)
         self._joining: list[tuple[_Row, list[int]]] = []  # added, not yet prefilled
-        controller = pair.controller
-        self.costs = BatchCosts(controller.live) if controller else None
-        self.greedy_probe = 0
+        self.controller = pair.controller
 
     def __len__(self) -> int:
         return len(self.rows) + len(self._joining)
@@ -109,21 +104,30 @@ class BatchDecoder:
     ) -> None:
         """Queue a new row; it is prefilled, with every row joining at the same
         time in one batched pass, at the start of the next step."""
+        if not prompt_ids:
+            raise core.InvalidRequestError("the prompt is empty: give at least one token")
+        if drafter == "model" and self.proposer is None:
+            raise core.InvalidRequestError(
+                "drafter 'model' needs a draft model, but this worker has none; "
+                "use drafter 'lookup' or 'none'"
+            )
         fixed = None if num_draft_tokens == "auto" else int(num_draft_tokens)
         row = _Row(key, params, seed, drafter, fixed, plan, max_tokens, prompt_ids[-1])
-        row.draft_pending = [prompt_ids[-1]] if drafter == "model" else []
         if drafter == "lookup":
             row.lookup = LookupIndex(list(prompt_ids))
-        self._joining.append((row, prompt_ids[:-1]))
+        elif drafter == "model" and row.greedy_auto and getattr(plan, "lookup", None):
+            row.lookup = LookupIndex(list(prompt_ids), min_ngram=HYBRID_MIN_NGRAM)
+        self._joining.append((row, list(prompt_ids)))
 
     def _admit_joining(self) -> None:
         joining, self._joining = self._joining, []
-        self.t_rows.append(_prefill_rows(self.pair.target, [ids for _, ids in joining]))
+        rows, _ = prefill_rows(self.pair.target, [ids[:-1] for _, ids in joining])
+        self.t_rows.append(rows)
         self.rows += [row for row, _ in joining]
-        drafted = [(row, ids) for row, ids in joining if row.drafter == "model"]
-        if drafted:
-            self.d_rows.append(_prefill_rows(self.pair.draft, [ids for _, ids in drafted]))
-            self.d_members += [row for row, _ in drafted]
+        if self.proposer is not None:
+            self.proposer.admit(
+                [(r.key, ids, r.params, r.seed) for r, ids in joining if r.drafter == "model"]
+            )
 
     def remove(self, key) -> None:
         """Drop a finished (or cancelled) row."""
@@ -133,51 +137,71 @@ class BatchDecoder:
             return
         self.t_rows.select(keep)
         self.rows = [self.rows[i] for i in keep]
-        d_keep = [i for i, r in enumerate(self.d_members) if r.key != key]
-        if len(d_keep) != len(self.d_members):
-            self.d_rows.select(d_keep)
-            self.d_members = [self.d_members[i] for i in d_keep]
+        if self.proposer is not None:
+            self.proposer.remove({key})
+
+    # -- choosing drafts ----------------------------------------------------------
+    def _choose(self) -> list[_Choice]:
+        choices = [_Choice() for _ in self.rows]
+        auto, fixed, auto_rows = [], [], []
+        drafted_rows = len(self.proposer.members) if self.proposer is not None else 0
+        for row, c in zip(self.rows, choices, strict=True):
+            budget = row.budget()
+            if row.drafter == "none" or budget == 0:
+                continue
+            if row.greedy_auto:
+                free = self._free_draft(row, budget)
+                if free:
+                    c.tokens, c.source = free, "lookup"
+                    a = (
+                        row.plan.lookup.acceptance.rate
+                        if row.plan.lookup
+                        else row.plan.acceptance.rate
+                    )
+                    auto.append(AutoRow(a, len(free), free=True))
+                else:
+                    c.source = "model"
+                    auto.append(
+                        AutoRow(row.plan.acceptance.rate, min(budget, MAX_AUTO_DRAFT), False)
+                    )
+                auto_rows.append(c)
+                continue
+            k = row.fixed_k if row.fixed_k is not None else row.plan.choose()
+            k = min(k, budget)
+            c.k, c.source = k, row.drafter if k else "none"
+            if k and row.drafter == "lookup":
+                c.tokens = row.lookup.propose(k)
+                c.k = len(c.tokens)
+                c.source = "lookup" if c.k else "none"
+            rate = row.plan.acceptance.rate if row.plan is not None else 0.6
+            fixed.append(FixedRow(c.k, rate, row.drafter == "model"))
+        if auto:
+            k = self.controller.choose_batch_k(auto, fixed, drafted_rows)
+            for c, a in zip(auto_rows, auto, strict=True):
+                c.k = min(k, a.cap)
+                if c.source == "lookup":
+                    c.tokens = c.tokens[: c.k]
+                if c.k == 0:
+                    c.source, c.tokens = "none", None
+        return choices
+
+    def _free_draft(self, row: _Row, budget: int) -> list[int]:
+        """The lookup proposal of a greedy auto row, where its text repeats itself."""
+        if row.lookup is None:
+            return []
+        cap = row.plan.lookup.k_max if row.plan.lookup is not None else MAX_AUTO_DRAFT
+        return row.lookup.propose(min(budget, cap))
 
     # -- one step ------------------------------------------------------------------
-    def _greedy_k(self) -> int:
-        """One draft length for all greedy "auto" rows: the best tokens/s for the batch."""
-        auto = [r for r in self.rows if r.params.greedy and r.fixed_k is None and r.plan]
-        if not auto or self.costs is None:
-            return 0
-        a = sum(r.plan.acceptance.rate for r in auto) / len(auto)
-        b = len(self.rows)
-        best = max(
-            range(MAX_AUTO_DRAFT + 1),
-            key=lambda k: (b * expected_tokens(a, k) / self.costs.estimate(b, k), -k),
-        )
-        if best == 0:  # probe now and then so acceptance stays measured
-            self.greedy_probe += 1
-            if self.greedy_probe % 16 == 0:
-                return 1
-        return best
-
-    def _row_k(self, row: _Row, greedy_k: int) -> int:
-        if row.drafter == "none":
-            return 0
-        if row.fixed_k is not None:
-            k = row.fixed_k
-        elif row.params.greedy:
-            k = greedy_k
-        else:
-            k = row.plan.choose()
-        return max(0, min(k, MAX_DRAFT_TOKENS, row.max_tokens - row.generated - 1))
-
     def step(self) -> dict:
         """One draft + verify step for every row: {row key: Step}."""
         if self._joining:
             self._admit_joining()
-        greedy_k = self._greedy_k()
-        ks = [self._row_k(r, greedy_k) for r in self.rows]
+        choices = self._choose()
         t0 = time.perf_counter()
-        drafts, q = self._draft(ks)
+        drafts, q = self._draft(choices)
         t1 = time.perf_counter()
-        ks = [len(d) for d in drafts]
-        width = max(ks) + 1
+        width = max(len(d) for d in drafts) + 1
         inputs = [
             [r.target_pending] + d + [0] * (width - 1 - len(d))
             for r, d in zip(self.rows, drafts, strict=True)
@@ -186,89 +210,27 @@ class BatchDecoder:
         results = self._verify(logits, drafts, q)
         t2 = time.perf_counter()
         self.t_rows.advance(width, [1 + n for n, _ in results])
-        self._rollback_draft(drafts, results)
-        steps = {}
-        for row, d, (n, nxt) in zip(self.rows, drafts, results, strict=True):
-            row.target_pending = nxt
-            if row.lookup is not None:
-                row.lookup.extend(d[:n] + [nxt])
-            emitted = d[:n] + [nxt]
-            row.generated += len(emitted)
-            if row.plan is not None and row.fixed_k is None:
-                if row.params.greedy:  # batched timings stay out of the single-row costs
-                    row.plan.acceptance.observe(len(d), n)
-                    row.plan.shared.observe(len(d), n)
-                else:
-                    row.plan.observe(len(d), n, 0.0, 0.0)
-            steps[row.key] = Step(emitted, len(d), n, t1 - t0, t2 - t1)
-        if self.costs is not None:
-            self.costs.observe(len(self.rows), width - 1, t2 - t0, t1 - t0)
-        for rows in (self.t_rows, self.d_rows):
+        steps = self._finish(choices, drafts, results, t1 - t0, t2 - t1)
+        self._observe(choices, drafts, results, width, t1 - t0, t2 - t1)
+        for rows in (self.t_rows, self.proposer.rows if self.proposer else None):
             if rows is not None and rows.waste() > COMPACT_WASTE:
                 rows.compact()
         return steps
 
-    def _draft(self, ks: list[int]) -> tuple[list[list[int]], dict]:
-        drafts: list[list[int]] = [[] for _ in self.rows]
+    def _draft(self, choices: list[_Choice]) -> tuple[list[list[int]], dict]:
+        drafts = [list(c.tokens or []) if c.source == "lookup" else [] for c in choices]
         q: dict[int, mx.array] = {}
-        for i, (row, k) in enumerate(zip(self.rows, ks, strict=True)):
-            if row.drafter == "lookup" and k:
-                drafts[i] = row.lookup.propose(k)
-        members = self.d_members
-        depth = max(
-            (k for r, k in zip(self.rows, ks, strict=True) if r.drafter == "model"), default=0
-        )
-        if not members or depth == 0:
+        if self.proposer is None or not self.proposer.members:
             return drafts, q
-        index = {id(r): i for i, r in enumerate(self.rows)}
-        want = {id(r): ks[index[id(r)]] for r in members}
-        width = max(len(r.draft_pending) for r in members)
-        feed = mx.array([r.draft_pending + [0] * (width - len(r.draft_pending)) for r in members])
-        last = mx.array([len(r.draft_pending) - 1 for r in members])
-        dv = self.pair.draft_vocab
-        tokens, laws = [], []
-        for step in range(depth):
-            out = self.pair.draft(feed, cache=self.d_cache)
-            if step == 0:
-                logits = mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :dv]
-                self.d_rows.advance(width, [len(r.draft_pending) for r in members])
-            else:
-                logits = out[:, -1, :dv]
-                self.d_rows.advance(1, [1] * len(members))
-            tok, law = self._draft_sample(logits, members, step)
-            tokens.append(tok)
-            laws.append(law)
-            feed = tok[:, None].astype(mx.uint32)
-        mx.eval(tokens)
-        table = mx.stack(tokens, axis=1).tolist()
-        for j, row in enumerate(members):
-            i = index[id(row)]
-            k = want[id(row)]
-            drafts[i] = table[j][:k]
-            if not row.params.greedy and k:
-                law = mx.stack([laws[s][j] for s in range(k)])
-                if dv < self.pair.target_vocab:
-                    law = mx.concatenate([law, mx.zeros((k, self.pair.target_vocab - dv))], axis=-1)
-                q[i] = law
+        want = {r.key: c.k for r, c in zip(self.rows, choices, strict=True) if c.source == "model"}
+        positions = {r.key: r.generated for r in self.rows}
+        by_key, laws = self.proposer.propose(want, positions)
+        for i, row in enumerate(self.rows):
+            if row.key in by_key:
+                drafts[i] = by_key[row.key]
+                if row.key in laws:
+                    q[i] = laws[row.key]
         return drafts, q
-
-    def _draft_sample(self, logits, members, step):
-        greedy = mx.argmax(logits, axis=-1)
-        if all(r.params.greedy for r in members):
-            return greedy, None
-        toks, laws = [], []
-        for j, row in enumerate(members):
-            if row.params.greedy:
-                toks.append(greedy[j])
-                laws.append(None)
-                continue
-            law = sampling.probs(logits[j], row.params)
-            noise = sampling.gumbel_rows(
-                row.seed, row.generated + step, 1, logits.shape[-1], DRAW_DRAFT
-            )
-            toks.append(sampling.sample_rows(law[None], noise)[0])
-            laws.append(law)
-        return mx.stack(toks), laws
 
     def _verify(self, logits, drafts, q) -> list[tuple[int, int]]:
         best = mx.argmax(logits, axis=-1).tolist()
@@ -284,35 +246,107 @@ class BatchDecoder:
                 )
         return results
 
-    def _rollback_draft(self, drafts, results) -> None:
-        if not self.d_members:
+    def _finish(self, choices, drafts, results, draft_s, verify_s) -> dict:
+        emitted_by_key, accepted_by_key, steps = {}, {}, {}
+        for row, c, d, (n, nxt) in zip(self.rows, choices, drafts, results, strict=True):
+            emitted = d[:n] + [nxt]
+            row.target_pending = nxt
+            if row.lookup is not None:
+                row.lookup.extend(emitted)
+            row.generated += len(emitted)
+            emitted_by_key[row.key], accepted_by_key[row.key] = emitted, n
+            source = c.source if d else "none"
+            steps[row.key] = Step(emitted, len(d), n, draft_s, verify_s, source)
+        if self.proposer is not None:
+            self.proposer.commit(emitted_by_key, accepted_by_key)
+        return steps
+
+    def _observe(self, choices, drafts, results, width, draft_s, verify_s) -> None:
+        probe = None
+        for row, c, d, (n, _) in zip(self.rows, choices, drafts, results, strict=True):
+            if row.plan is None or row.fixed_k is not None or not d:
+                continue
+            plan = row.plan.lookup if (c.source == "lookup" and row.plan.lookup) else row.plan
+            plan.observe(len(d), n)
+            if row.greedy_auto and c.source == "model":
+                probe = (len(d), n) if probe is None else (probe[0] + len(d), probe[1] + n)
+        if self.controller is None:
             return
-        index = {id(r): i for i, r in enumerate(self.rows)}
-        depth = max((len(drafts[index[id(r)]]) for r in self.d_members), default=0)
-        drop = []
-        for row in self.d_members:
-            i = index[id(row)]
-            n, nxt = results[i]
-            if depth == 0:  # the draft did not run: it still owes these tokens
-                row.draft_pending = row.draft_pending + [nxt]
-                drop.append(0)
-            elif n == depth:  # the draft never saw its own last token
-                row.draft_pending = [drafts[i][-1], nxt]
-                drop.append(0)
-            else:
-                row.draft_pending = [nxt]
-                drop.append(depth - 1 - n)
-        self.d_rows.drop_last(drop)
+        if self.controller.probing and probe is not None:
+            self.controller.probe_result(*probe)
+        depth = self.proposer.depth_run if self.proposer is not None else 0
+        members = len(self.proposer.members) if self.proposer is not None else 0
+        self.controller.observe_step(len(self.rows), width, verify_s, depth, members, draft_s)
+
+    # -- inspection (tests, statistics) ------------------------------------------------
+    def cache_lengths(self, key) -> tuple[int, int | None]:
+        """(target, draft) cache lengths of a row: accepted tokens minus what is pending."""
+        i = next(i for i, r in enumerate(self.rows) if r.key == key)
+        target = self.t_rows.offset.tolist()[i]
+        draft = None
+        if self.proposer is not None and any(m.key == key for m in self.proposer.members):
+            draft = self.proposer.lengths()[key]
+        return target, draft
 
 
-def _prefill_rows(model, prompts: list[list[int]]):
-    """Prefill several prompts in one batched pass (right-padded; pads masked out)."""
-    rows, cache = make_ragged_cache(model, len(prompts))
-    longest = max(map(len, prompts), default=0)
-    for start in range(0, longest, PREFILL_CHUNK):
-        width = min(PREFILL_CHUNK, longest - start)
-        chunks = [p[start : start + width] for p in prompts]
-        model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=cache)
-        rows.advance(width, [len(c) for c in chunks])
-        mx.eval([c.state for c in cache])
-    return rows
+class SpeculativeDecoder:
+    """One request through the one decoder (a batch of one); iterate `steps()`.
+
+    num_draft_tokens is an int (1..16), "auto" (then `plan`, an adaptive.DraftPlan,
+    holds the request's acceptance), or 0 for plain decoding.
+    """
+
+    KEY = 0
+
+    def __init__(
+        self,
+        pair,
+        prompt_ids: list[int],
+        params: sampling.SamplingParams,
+        *,
+        seed: int = 0,
+        drafter: str = "model",
+        num_draft_tokens: int | str = "auto",
+        max_tokens: int = 256,
+        plan=None,
+    ):
+        if num_draft_tokens == 0:
+            drafter, num_draft_tokens = "none", 1
+        if num_draft_tokens == "auto" and plan is None and drafter != "none":
+            if pair.controller is None:
+                raise core.InvalidRequestError("num_draft_tokens 'auto' needs a calibrated pair")
+            plan = pair.controller.plan(drafter, params.greedy)
+        self.batch = BatchDecoder(pair)
+        self.batch.add(
+            self.KEY,
+            list(prompt_ids),
+            params,
+            seed=seed,
+            drafter=drafter,
+            num_draft_tokens=num_draft_tokens,
+            max_tokens=max_tokens,
+            plan=plan,
+        )
+        self.max_tokens = max_tokens
+        self.generated = 0
+
+    def step(self) -> Step:
+        """One draft + verify step; the caches then hold exactly the accepted text."""
+        step = self.batch.step()[self.KEY]
+        self.generated += len(step.tokens)
+        return step
+
+    def steps(self):
+        """Yield verify steps until max_tokens tokens have been emitted."""
+        while self.generated < self.max_tokens:
+            yield self.step()
+
+    def cache_lengths(self) -> tuple[int, int | None]:
+        """(target, draft) cache lengths; each equals accepted tokens - pending."""
+        return self.batch.cache_lengths(self.KEY)
+
+    @property
+    def draft_pending(self) -> list[int]:
+        """Accepted tokens the draft model has not seen yet (the newest always)."""
+        proposer = self.batch.proposer
+        return proposer.pending(self.KEY) if proposer and proposer.members else []

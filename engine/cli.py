@@ -63,15 +63,10 @@ def main(
             num_draft_tokens=k,
             drafter=drafter,
         )
-        gen = engine.stream(pair, request)
-        while True:
-            try:
-                piece = next(gen)
-            except StopIteration as done:
-                result = done.value
-                break
-            sys.stdout.write(piece)
+        for item in engine.stream(pair, request):
+            sys.stdout.write(item.text)
             sys.stdout.flush()
+            result = item.result
     except engine.EngineError as exc:
         raise click.ClickException(str(exc)) from exc
     s = result.metrics["speculative_decoding"]

@@ -1,14 +1,27 @@
-"""Draft sources that need no model: prompt lookup.
+"""Where draft tokens come from: prompt lookup, and a draft language model.
 
 Prompt lookup proposes the tokens that followed the most recent earlier
 occurrence of the last n-gram of prompt + output (longest n first). It costs no
 model pass, so it pays wherever the output repeats its input: summaries,
 extraction, code edits.
+
+`ModelProposer` drafts with a small language model for every row of a batch at
+once: K passes of one token per row over a ragged cache whose rows roll back on
+their own after verification.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from . import sampling
+from .ragged import make_ragged_cache
+from .sampling import DRAW_DRAFT
+
 DRAFTERS = ("model", "lookup", "none")
+PREFILL_CHUNK = 512
 
 
 class LookupIndex:
@@ -42,3 +55,151 @@ class LookupIndex:
             if start is not None:
                 return self.tokens[start : start + k]
         return []
+
+
+def prefill_rows(model, prompts: list[list[int]]):
+    """A ragged cache holding several prompts, filled in batched passes (right-padded;
+    pads masked out). Returns (rows, layer caches)."""
+    rows, cache = make_ragged_cache(model, len(prompts))
+    longest = max(map(len, prompts), default=0)
+    for start in range(0, longest, PREFILL_CHUNK):
+        width = min(PREFILL_CHUNK, longest - start)
+        chunks = [p[start : start + width] for p in prompts]
+        model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=cache)
+        rows.advance(width, [len(c) for c in chunks])
+        mx.eval([c.state for c in cache])
+    return rows, cache
+
+
+@dataclass
+class _Member:
+    """A row the draft model drafts for; `pending` are accepted tokens it has not seen."""
+
+    key: object
+    pending: list[int]
+    params: sampling.SamplingParams
+    seed: int
+    position: int = 0  # output position of the row's next token
+    used: bool = field(default=False)  # its drafts this step came from the model
+
+
+class ModelProposer:
+    """Batched drafting with a draft LM. Rows join (`admit`), leave (`remove`), get
+    `propose(want)` drafts, then `commit` tells it what the target accepted."""
+
+    kind = "model"
+
+    def __init__(self, model, draft_vocab: int, target_vocab: int):
+        self.model = model
+        self.draft_vocab = draft_vocab
+        self.target_vocab = target_vocab
+        self.rows, self.cache = make_ragged_cache(model, 0)
+        self.members: list[_Member] = []
+        self.depth = 0  # draft passes of the step in progress (reset by commit)
+        self.depth_run = 0  # draft passes run by the last propose()
+
+    def admit(self, joining: list[tuple[object, list[int], sampling.SamplingParams, int]]) -> None:
+        """Prefill rows (key, prompt ids, params, seed); the last prompt token stays
+        pending, as in the target."""
+        if not joining:
+            return
+        rows, _ = prefill_rows(self.model, [ids[:-1] for _, ids, _, _ in joining])
+        # A fresh ragged cache's layer objects are grafted onto ours by RaggedRows.append.
+        self.rows.append(rows)
+        self.members += [
+            _Member(key, [ids[-1]], params, seed) for key, ids, params, seed in joining
+        ]
+
+    def remove(self, keys: set) -> None:
+        keep = [i for i, m in enumerate(self.members) if m.key not in keys]
+        if len(keep) != len(self.members):
+            self.rows.select(keep)
+            self.members = [self.members[i] for i in keep]
+
+    def propose(self, want: dict, positions: dict) -> tuple[dict, dict]:
+        """Draft want[key] tokens for each member key (0 or absent: none); every member
+        runs through the same passes. Returns ({key: tokens}, {key: (k, V) law}) with
+        laws only for sampled rows (over the target's vocabulary, padding rows 0)."""
+        depth = max((want.get(m.key, 0) for m in self.members), default=0)
+        self.depth = self.depth_run = depth
+        for m in self.members:
+            m.used = want.get(m.key, 0) > 0
+            m.position = positions.get(m.key, 0)
+        if depth == 0:
+            return {}, {}
+        self.rows.checkpoint()
+        members = self.members
+        width = max(len(m.pending) for m in members)
+        feed = mx.array([m.pending + [0] * (width - len(m.pending)) for m in members])
+        last = mx.array([len(m.pending) - 1 for m in members])
+        dv = self.draft_vocab
+        tokens, laws = [], []
+        for step in range(depth):
+            out = self.model(feed, cache=self.cache)
+            if step == 0:
+                logits = mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :dv]
+                self.rows.advance(width, [len(m.pending) for m in members])
+            else:
+                logits = out[:, -1, :dv]
+                self.rows.advance(1, [1] * len(members))
+            tok, law = self._sample(logits, step)
+            tokens.append(tok)
+            laws.append(law)
+            feed = tok[:, None].astype(mx.uint32)
+        mx.eval(tokens)
+        table = mx.stack(tokens, axis=1).tolist()
+        drafts, q = {}, {}
+        for j, m in enumerate(members):
+            k = want.get(m.key, 0)
+            if not k:
+                continue
+            drafts[m.key] = table[j][:k]
+            if not m.params.greedy:
+                law = mx.stack([laws[s][j] for s in range(k)])
+                if dv < self.target_vocab:
+                    pad = mx.zeros((k, self.target_vocab - dv), mx.float32)
+                    law = mx.concatenate([law, pad], axis=-1)
+                q[m.key] = law
+        return drafts, q
+
+    def _sample(self, logits, step):
+        greedy = mx.argmax(logits, axis=-1)
+        if all(m.params.greedy for m in self.members):
+            return greedy, None
+        toks, laws = [], []
+        for j, m in enumerate(self.members):
+            if m.params.greedy:
+                toks.append(greedy[j])
+                laws.append(None)
+                continue
+            law = sampling.probs(logits[j], m.params)
+            noise = sampling.gumbel_rows(m.seed, m.position + step, 1, logits.shape[-1], DRAW_DRAFT)
+            toks.append(sampling.sample_rows(law[None], noise)[0])
+            laws.append(law)
+        return mx.stack(toks), laws
+
+    def commit(self, emitted: dict, accepted: dict) -> None:
+        """After verification: emitted[key] = tokens the row put out this step (accepted
+        drafts + the target's token), accepted[key] = how many drafts passed."""
+        depth = self.depth
+        drop = []
+        for m in self.members:
+            out = emitted.get(m.key, [])
+            if depth == 0:  # the draft did not run: it owes these tokens
+                m.pending = m.pending + out
+                continue
+            # Its cache holds pending + its own depth - 1 drafted tokens; keep those the
+            # target accepted (none if this row's drafts came from elsewhere).
+            kept = min(accepted.get(m.key, 0), depth - 1) if m.used else 0
+            drop.append(depth - 1 - kept)
+            m.pending = out[kept:]
+        if depth:
+            self.rows.drop_last(drop)
+        self.depth = 0
+
+    def lengths(self) -> dict:
+        """{key: tokens in the draft cache} (accepted tokens minus pending)."""
+        return dict(zip((m.key for m in self.members), self.rows.offset.tolist(), strict=True))
+
+    def pending(self, key) -> list[int]:
+        return next(m.pending for m in self.members if m.key == key)

@@ -58,7 +58,15 @@ class ModelPair:
             "mlx_lm": mlx_lm.__version__,
             "device": str(mx.default_device()),
             "blas": blas_info(),
+            "features": self.features().as_dict(),
         }
+
+    def features(self):
+        """Which drafters and batching this pair supports, and its layer kinds
+        (a families.Features)."""
+        from .families import features
+
+        return features(self.target, self.draft)
 
 
 def _num_params(model: nn.Module) -> int:
@@ -143,17 +151,22 @@ def load_pair(
 
     With no arguments: the bundled demo pair. With a target but no draft: the
     target alone (drafters "lookup" and "none" still work). On the CPU backend
-    weights are cast to float32. Raises ModelLoadError or TokenizerMismatchError.
+    weights are cast to float32. Raises ModelLoadError (families.UnsupportedModelError
+    for a model whose layers the engine cannot keep exact) or TokenizerMismatchError.
     """
+    from .families import check_model
+
     if target is None and draft is None and use_draft:
         draft = DEMO_DRAFT
     target_path = _resolve(target, DEMO_TARGET)
     model, tokenizer, config = _load_one(target_path, "target")
+    check_model(model, "target")
     draft_model, draft_path, draft_vocab = None, None, 0
     target_vocab = _vocab_rows(model, config)
     if draft is not None and use_draft:
         draft_path = os.fspath(draft)
         draft_model, draft_tok, draft_config = _load_one(draft_path, "draft")
+        check_model(draft_model, "draft")
         check_tokenizers(tokenizer, draft_tok, target_path, draft_path)
         # Rows past the smaller table are padding: the draft gives them probability 0.
         draft_vocab = min(_vocab_rows(draft_model, draft_config), target_vocab)

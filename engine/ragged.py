@@ -9,13 +9,23 @@ masked holes do not disturb attention. `compact()` squeezes holes out now and th
 
 One `RaggedRows` is shared by all layer caches of one model; the decoder calls
 `advance()` after every forward pass to say which new positions were real.
+Sliding-window layers use the same plain cache: their mask counts each key's true
+position (its rank among the row's real tokens), not its slot, so a row attends
+exactly the window the model defines however many holes it has. Recurrent layer
+state (engine/recurrent.py) hangs off the same rows: `advance`, `drop_last`,
+`checkpoint`, `select` and `append` reach every layer kind through one interface.
 """
 
 from __future__ import annotations
 
 import mlx.core as mx
 
+from .types import CacheError
+
 GROW = 256
+#: Without a `checkpoint()`, how many past forward passes `drop_last` may reach into
+#: (a draft step is at most MAX_DRAFT_TOKENS passes plus the one that feeds it).
+MAX_HISTORY = 17
 
 
 class RaggedRows:
@@ -25,11 +35,22 @@ class RaggedRows:
         self.length = 0  # physical positions in use (same for every row)
         self.valid = mx.zeros((batch, 0), dtype=mx.bool_)
         self.offset = mx.zeros((batch,), dtype=mx.int32)  # true tokens per row
-        self.layers: list[RaggedLayerCache] = []
+        self.layers: list = []  # every layer cache of the model, in any kind
+        self.history: list[list[int]] = []  # keep lists of the passes since checkpoint()
 
     @property
     def batch(self) -> int:
         return self.valid.shape[0]
+
+    def checkpoint(self) -> None:
+        """`drop_last` will never reach back past this point (free for KV layers)."""
+        self.history = []
+        for layer in self.layers:
+            layer.checkpoint()
+
+    def positions(self) -> mx.array:
+        """True position of every slot in its row (rank among the real tokens)."""
+        return mx.cumsum(self.valid.astype(mx.int32), axis=1) - 1
 
     def advance(self, n_new: int, keep: list[int]) -> None:
         """After a forward over n_new positions, keep the first keep[i] of row i."""
@@ -38,18 +59,57 @@ class RaggedRows:
         self.valid = mx.concatenate([self.valid, new_valid], axis=1)
         self.offset = self.offset + keep_arr
         self.length += n_new
+        for layer in self.layers:
+            layer.settle(n_new, keep)
+        self.history.append(list(keep))
+        if len(self.history) > MAX_HISTORY:
+            self.history.pop(0)
+            for layer in self.layers:
+                layer.forget_oldest()
         self._drop_dead_tail()
+
+    def checkpoint(self) -> None:
+        """Mark the start of a drafting round: drop_last never reaches back past it.
+        (Attention layers keep every position, so they need no snapshot.)"""
 
     def drop_last(self, counts: list[int]) -> None:
         """Mark the last counts[i] real tokens of row i as gone (a rollback)."""
         if not any(counts):
             return
+        self._rewind_history(counts)
         counts_arr = mx.array(counts, dtype=mx.int32)
         # Rank of each valid position from the end: 1 for the last real token.
         from_end = mx.cumsum(self.valid[:, ::-1].astype(mx.int32), axis=1)[:, ::-1]
         self.valid = self.valid & ~(from_end <= counts_arr[:, None])
         self.offset = self.offset - counts_arr
         self._drop_dead_tail()
+
+    def _rewind_history(self, counts: list[int]) -> None:
+        # For each row: the oldest pass it must go back to, and what it keeps after it.
+        plan: dict[int, list[tuple[int, list[int]]]] = {}
+        for row, count in enumerate(counts):
+            if not count:
+                continue
+            start, seen = len(self.history), 0
+            while seen < count and start > 0:
+                start -= 1
+                seen += self.history[start][row]
+            if seen < count:
+                raise CacheError(
+                    f"rollback of {count} tokens reaches back past the last checkpoint "
+                    f"(row {row} has {seen} since then)"
+                )
+            left = seen - count
+            kept = []
+            for keep in self.history[start:]:
+                k = min(keep[row], left)
+                kept.append(k)
+                left -= k
+            for t, k in enumerate(kept):
+                self.history[start + t][row] = k
+            plan.setdefault(start, []).append((row, kept))
+        for layer in self.layers:
+            layer.rewind(plan)
 
     def _drop_dead_tail(self) -> None:
         # Trailing positions invalid in every row can simply be overwritten.
@@ -85,6 +145,7 @@ class RaggedRows:
         idx = mx.array(rows, dtype=mx.int32)
         self.valid = self.valid[idx]
         self.offset = self.offset[idx]
+        self.history = [[keep[r] for r in rows] for keep in self.history]
         for layer in self.layers:
             layer.select(idx)
         self._drop_dead_head()
@@ -108,6 +169,7 @@ class RaggedRows:
         self.offset = mx.concatenate([self.offset, other.offset])
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.concat(theirs)
+        self.checkpoint()  # the joined rows have no common past to roll back into
 
     def _pad_left(self, n: int) -> None:
         self.valid = mx.concatenate([mx.zeros((self.batch, n), dtype=mx.bool_), self.valid], axis=1)
@@ -117,13 +179,27 @@ class RaggedRows:
 
 
 class RaggedLayerCache:
-    """The KV cache of one attention layer, in the interface mlx-lm models call."""
+    """The KV cache of one attention layer (full or sliding-window), in the interface
+    mlx-lm models call. Rolling back is masking, so the history hooks are no-ops."""
 
-    def __init__(self, rows: RaggedRows):
+    def __init__(self, rows: RaggedRows, window: int | None = None):
         self.rows = rows
         rows.layers.append(self)
+        self.window = window  # the layer's own window (mlx-lm's RotatingKVCache max_size)
         self.keys = None
         self.values = None
+
+    def settle(self, n_new: int, keep: list[int]) -> None:
+        pass
+
+    def checkpoint(self) -> None:
+        pass
+
+    def forget_oldest(self) -> None:
+        pass
+
+    def rewind(self, plan) -> None:
+        pass
 
     @property
     def offset(self) -> mx.array:
@@ -149,10 +225,18 @@ class RaggedLayerCache:
         self.keys, self.values = new_k, new_v
 
     def make_mask(self, n: int, return_array: bool = False, window_size=None) -> mx.array:
-        old = self.rows.length
-        causal = mx.arange(n)[:, None] >= mx.arange(n)[None, :]
-        past = mx.broadcast_to(self.rows.valid[:, None, :], (self.rows.batch, n, old))
-        new = mx.broadcast_to(causal[None], (self.rows.batch, n, n))
+        """Boolean mask (batch, 1, n, length + n): real past keys, causal new ones and,
+        for a sliding layer, only keys whose true position is within the window."""
+        rows, old = self.rows, self.rows.length
+        j = mx.arange(n)
+        causal = j[:, None] >= j[None, :]
+        past = mx.broadcast_to(rows.valid[:, None, :], (rows.batch, n, old))
+        if window_size is not None:
+            # query at true position offset + i sees key at p iff offset + i - p < window
+            query = rows.offset[:, None, None] + j[None, :, None]
+            past = past & (query - rows.positions()[:, None, :] < window_size)
+            causal = causal & (j[:, None] - j[None, :] < window_size)
+        new = mx.broadcast_to(causal[None], (rows.batch, n, n))
         return mx.concatenate([past, new], axis=2)[:, None]
 
     @property
@@ -208,7 +292,12 @@ class RaggedLayerCache:
         self.values = mx.concatenate([mine[1], theirs[1]])
 
 
-def make_ragged_cache(model, batch: int) -> tuple[RaggedRows, list[RaggedLayerCache]]:
-    """A ragged cache for `model` with `batch` empty rows."""
+def make_ragged_cache(model, batch: int) -> tuple[RaggedRows, list]:
+    """A ragged cache for `model` with `batch` empty rows, in the layout the model's
+    own `make_cache()` has (one ragged layer cache per mlx-lm layer cache).
+
+    Raises families.UnsupportedLayerError for a layer kind it cannot keep exact."""
+    from .families import layer_caches
+
     rows = RaggedRows(batch)
-    return rows, [RaggedLayerCache(rows) for _ in model.layers]
+    return rows, layer_caches(model, rows)

@@ -22,11 +22,17 @@ DRAW_ACCEPT = 2
 DRAW_TARGET = 3
 
 _MASK64 = (1 << 64) - 1
+# The largest finite float32: a temperature whose 1/T exceeds it cannot scale logits.
+_FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Sampling settings; temperature 0 means greedy (argmax)."""
+    """Sampling settings; temperature 0 means greedy (argmax).
+
+    A temperature so small that float32 cannot hold 1/T is the limit of sampling as
+    T -> 0, which is greedy decoding, and is run as greedy.
+    """
 
     temperature: float = 0.0
     top_p: float = 1.0
@@ -35,7 +41,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature == 0 or 1.0 / self.temperature > _FLOAT32_MAX
 
 
 def probs(logits: mx.array, params: SamplingParams) -> mx.array:
@@ -50,6 +56,9 @@ def probs(logits: mx.array, params: SamplingParams) -> mx.array:
         logprobs = apply_min_p(logprobs, params.min_p, 1)
     if 0 < params.top_k < vocab:
         logprobs = apply_top_k(logprobs, params.top_k)
+    # Shift the best to 0 first (softmax is shift-invariant): at tiny temperatures
+    # every scaled log-probability would otherwise overflow to -inf and give NaN.
+    logprobs = logprobs - mx.max(logprobs, axis=-1, keepdims=True)
     return mx.softmax(logprobs * (1.0 / params.temperature), axis=-1, precise=True)
 
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
-from .batch import BatchDecoder
-from .core import MAX_DRAFT_TOKENS, SpeculativeDecoder
+from .batch import BatchDecoder, SpeculativeDecoder
+from .core import MAX_DRAFT_TOKENS
 from .drafters import DRAFTERS
 from .sampling import SamplingParams
 from .types import (
@@ -24,6 +24,7 @@ from .types import (
     InvalidRequestError,
     RequestExpired,
     SpecStats,
+    StreamItem,
 )
 
 
@@ -215,15 +216,28 @@ class RequestRun:
         )
 
 
-def _run(pair, request: GenerationRequest) -> Generator[str, None, GenerationResult]:
+def stream(pair, request: GenerationRequest) -> Iterator[StreamItem]:
+    """Yield text pieces as tokens are accepted; the last item carries the result.
+
+    Each item is a StreamItem: `text` is the new text that is safe to show, and
+    `result` is None until the last item, which holds the GenerationResult (its
+    `text` may be empty). Raises InvalidRequestError, ContextLengthError or
+    CacheError before any output.
+    """
     run = RequestRun(pair, request)
-    for step in run.decoder(pair).steps():
-        piece = run.feed(step)
-        if piece:
-            yield piece
-        if run.finished:
-            break
-    return run.result()
+    decoder = run.decoder(pair)
+
+    def items() -> Iterator[StreamItem]:
+        for step in decoder.steps():
+            piece = run.feed(step)
+            if run.finished:
+                yield StreamItem(piece, run.result())
+                return
+            if piece:
+                yield StreamItem(piece)
+        yield StreamItem("", run.result())
+
+    return items()
 
 
 def generate_many(
@@ -280,19 +294,9 @@ def generate_many(
             yield i, RequestExpired(f"request {i} ran past its deadline")
 
 
-def stream(pair, request: GenerationRequest) -> Iterator[str]:
-    """Yield text pieces as tokens are accepted; the generator returns the result.
-
-    Raises InvalidRequestError, ContextLengthError or CacheError before any output.
-    """
-    return _run(pair, request)
-
-
 def generate(pair, request: GenerationRequest) -> GenerationResult:
     """Run one request to completion and return text, usage and metrics."""
-    gen = _run(pair, request)
-    while True:
-        try:
-            next(gen)
-        except StopIteration as done:
-            return done.value
+    for item in stream(pair, request):
+        if item.result is not None:
+            return item.result
+    raise AssertionError("stream ended without a result")  # pragma: no cover

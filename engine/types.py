@@ -141,6 +141,18 @@ def _grow(values: list[int], n: int) -> None:
         values.extend([0] * (n - len(values)))
 
 
+@dataclass(frozen=True)
+class StreamItem:
+    """One item of `engine.stream`: new text, and on the last item only, the result."""
+
+    text: str
+    result: GenerationResult | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.result is not None
+
+
 @dataclass
 class GenerationResult:
     """What one request produced.

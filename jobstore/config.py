@@ -63,6 +63,14 @@ MAX_RESULT_BYTES = 1024 * 1024
 RECONNECT_BASE_S = 0.25
 RECONNECT_CAP_S = 30.0
 
+#: A spec-submit holds its batch's submit lock for this long, renewed a third of the way
+#: through, so a second submit of the same batch cannot enqueue the same lines again.
+SUBMIT_LOCK_TTL_S = 30
+
+#: How long a spec-submit waits for another submit of the same batch to finish before it
+#: gives up with a one-line error.
+SUBMIT_LOCK_WAIT_S = 30
+
 #: Lines per Redis pipeline when enqueueing and collecting (bounds memory).
 CHUNK_LINES = 500
 
@@ -101,6 +109,11 @@ def result_ttl_s() -> int:
 def max_result_bytes() -> int:
     """Largest result or error line stored, in bytes (SPEC_MAX_RESULT_BYTES)."""
     return int(os.environ.get("SPEC_MAX_RESULT_BYTES") or MAX_RESULT_BYTES)
+
+
+def submit_lock_wait_s() -> float:
+    """Seconds spec-submit waits for another submit of its batch (SPEC_SUBMIT_LOCK_WAIT_S)."""
+    return float(os.environ.get("SPEC_SUBMIT_LOCK_WAIT_S") or SUBMIT_LOCK_WAIT_S)
 
 
 def reconnect_cap_s() -> float:

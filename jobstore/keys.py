@@ -15,14 +15,17 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
     P:batch:B:done       list  line keys in the order their line was written
     P:batch:B:workers    hash  "<counter>:<worker>" -> per-worker counters of this batch
     P:batch:B:submitting string set (with a TTL) while spec-submit is still enqueueing
+                               (without one after a submit that stopped part-way)
+    P:batch:B:submit-lock string a random token: held by the one spec-submit enqueueing B
+                               (SET NX PX, renewed while it runs, expires by itself)
     P:batches            zset  batch id -> created_at
     P:model:A            hash  a served alias: context_length, tokenizer_json, updated_at
     P:worker:W           hash  a worker's lifetime counters and model
     P:refused            list  reports of jobs a worker refused to run (newest first)
 
-RQ's own keys: queue `P:A` (so `rq:queue:P:A`), jobs `rq:job:B-<line>`, failed jobs
-`rq:failed:P:A`. Their names come from RQ's own classes (`Keys.rq_job`, `Keys.rq_failed`),
-never spelled by hand elsewhere.
+RQ's own keys: queue `P:A` (so `rq:queue:P:A`), jobs `rq:job:B-<digest>-<line>`
+(see `job_id`), failed jobs `rq:failed:P:A`. Their names come from RQ's own classes
+(`Keys.rq_job`, `Keys.rq_failed`), never spelled by hand elsewhere.
 
 A line key is `c:<custom_id>`, or `l:<line>` for a rejected line whose custom_id is
 missing, invalid or a duplicate: one result or error per key, ever.
@@ -30,6 +33,8 @@ missing, invalid or a duplicate: one result or error per key, ever.
 
 from __future__ import annotations
 
+import hashlib
+import re
 import secrets
 import time
 from dataclasses import dataclass
@@ -66,8 +71,35 @@ def check_batch_id(batch_id: str) -> str:
     return batch_id
 
 
+#: Hex digits of a line key's SHA-256 in its job id (64 bits: no collision in practice).
+JOB_DIGEST_CHARS = 16
+
+
 def line_key(custom_id: str | None, line: int) -> str:
     return f"c:{custom_id}" if custom_id is not None else f"l:{line}"
+
+
+def job_id_stem(batch_id: str, line_key: str) -> str:
+    """`B-<digest>-`: what every job id of this line key starts with."""
+    digest = hashlib.sha256(line_key.encode()).hexdigest()[:JOB_DIGEST_CHARS]
+    return f"{batch_id}-{digest}-"
+
+
+def job_id(batch_id: str, line_key: str, line: int) -> str:
+    """The RQ job id of a line: `B-<digest of the line key>-<line>`, with the line number
+    of the file that enqueued it. The digest ties a job to its custom_id (RQ ids allow
+    only [A-Za-z0-9_-]), so a re-submitted file whose lines moved never hands one line's
+    job to another; the line number ends the id, for error lines written from it."""
+    return f"{job_id_stem(batch_id, line_key)}{line}"
+
+
+def is_job_of(batch_id: str, job_id: str) -> bool:
+    """Whether an RQ job id is one of this batch's line jobs (`job_id`'s shape)."""
+    prefix = f"{batch_id}-"
+    return job_id.startswith(prefix) and _JOB_TAIL.fullmatch(job_id, len(prefix)) is not None
+
+
+_JOB_TAIL = re.compile(rf"[0-9a-f]{{{JOB_DIGEST_CHARS}}}-[0-9]+")
 
 
 @dataclass(frozen=True)
@@ -117,6 +149,9 @@ class Keys:
     def submitting(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}:submitting"
 
+    def submit_lock(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:submit-lock"
+
     def batch_keys(self, batch_id: str) -> list[str]:
         """Every key of a batch (for TTLs and deletion)."""
         return [
@@ -129,6 +164,19 @@ class Keys:
             self.batch_workers(batch_id),
             self.submitting(batch_id),
         ]
+
+    def batch_key_types(self, batch_id: str) -> dict[str, str]:
+        """The Redis type of every key of a batch ("none", absent, is always fine too)."""
+        return {
+            self.batch(batch_id): "hash",
+            self.requests(batch_id): "hash",
+            self.order(batch_id): "zset",
+            self.results(batch_id): "hash",
+            self.errors(batch_id): "hash",
+            self.done(batch_id): "list",
+            self.batch_workers(batch_id): "hash",
+            self.submitting(batch_id): "string",
+        }
 
     @property
     def batches(self) -> str:

@@ -17,7 +17,7 @@ import time
 from redis import Redis
 
 from jobstore import config
-from jobstore.keys import Keys
+from jobstore.keys import JOB_DIGEST_CHARS, Keys, job_id_stem
 from jobstore.lines import dumps, error_line
 from jobstore.stats import drafter_of, summary
 
@@ -66,11 +66,12 @@ return 1
 """
 
 _CLASSIFY = """
--- KEYS: 1 results, 2 errors, 3 requests; ARGV: 1 job key prefix + batch id + '-', 2.. line keys
+-- KEYS: 1 results, 2 errors, 3 requests
+-- ARGV: pairs (line key, 'rq:job:' .. its job id stem, to which the request's line is added)
 -- -> per key: 'done' (has a result), 'error' (has an error line), 'pending' (its job
 --    is queued or running) or 'new'
 local out = {}
-for i = 2, #ARGV do
+for i = 1, #ARGV, 2 do
   local k, s = ARGV[i], 'new'
   if redis.call('HEXISTS', KEYS[1], k) == 1 then s = 'done'
   elseif redis.call('HEXISTS', KEYS[2], k) == 1 then s = 'error'
@@ -78,7 +79,7 @@ for i = 2, #ARGV do
     local rec = redis.call('HGET', KEYS[3], k)
     if rec then
       local line = string.format('%d', cjson.decode(rec)['line'])
-      local st = redis.call('HGET', ARGV[1] .. line, 'status')
+      local st = redis.call('HGET', ARGV[i + 1] .. line, 'status')
       if st == 'queued' or st == 'started' or st == 'deferred' or st == 'scheduled' then
         s = 'pending'
       end
@@ -122,11 +123,12 @@ return n
 _REMOVE_QUEUED = (
     _REBUILD_LIST
     + """
--- KEYS: 1 an RQ queue list; ARGV: 1 job id prefix ('<batch>-')
--- Removes the batch's job ids (prefix then digits only) and returns them.
+-- KEYS: 1 an RQ queue list; ARGV: 1 job id prefix ('<batch>-'), 2 digest length
+-- Removes the batch's job ids (prefix, hex digest, '-', digits) and returns them.
 local p, removed, keep = ARGV[1], {}, {}
+local tail = '^' .. string.rep('%x', tonumber(ARGV[2])) .. '%-%d+$'
 for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
-  if string.sub(id, 1, #p) == p and string.match(string.sub(id, #p + 1), '^%d+$') then
+  if string.sub(id, 1, #p) == p and string.match(string.sub(id, #p + 1), tail) then
     removed[#removed + 1] = id
   else
     keep[#keep + 1] = id
@@ -207,7 +209,8 @@ def classify(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> li
     if not line_keys:
         return []
     script_keys = [keys.results(batch_id), keys.errors(batch_id), keys.requests(batch_id)]
-    out = conn.eval(_CLASSIFY, 3, *script_keys, keys.rq_job(f"{batch_id}-"), *line_keys)
+    args = [a for k in line_keys for a in (k, keys.rq_job(job_id_stem(batch_id, k)))]
+    out = conn.eval(_CLASSIFY, 3, *script_keys, *args)
     return [s.decode() if isinstance(s, bytes) else s for s in out]
 
 
@@ -219,9 +222,23 @@ def clear_errors(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -
     return int(conn.eval(_CLEAR_ERRORS, 3, *script_keys, *line_keys))
 
 
+def wrong_key_type(conn: Redis, keys: Keys, batch_id: str) -> str | None:
+    """`key K: holds a T, expected a U` for the first key of the batch whose Redis type
+    is wrong (damaged state), else None."""
+    expected = keys.batch_key_types(batch_id)
+    with conn.pipeline(transaction=False) as pipe:
+        for key in expected:
+            pipe.type(key)
+        found = [t.decode() if isinstance(t, bytes) else t for t in pipe.execute()]
+    for (key, want), got in zip(expected.items(), found, strict=True):
+        if got not in ("none", want):
+            return f"key {key}: holds a {got}, expected a {want}"
+    return None
+
+
 def remove_queued(conn: Redis, queue_key: str, batch_id: str) -> list[str]:
     """Take the batch's waiting jobs out of one RQ queue; returns their job ids."""
-    out = conn.eval(_REMOVE_QUEUED, 1, queue_key, f"{batch_id}-")
+    out = conn.eval(_REMOVE_QUEUED, 1, queue_key, f"{batch_id}-", JOB_DIGEST_CHARS)
     return [s.decode() if isinstance(s, bytes) else s for s in out]
 
 

@@ -1,28 +1,36 @@
 """Following a batch after submission: status, collect, retry, cancel.
 
 All reads are chunked (CHUNK_LINES keys per round trip), so memory stays bounded
-however many lines a batch has.
+however many lines a batch has. Batch state read from Redis is checked before it is
+used (key types, counters, stored lines): damage is a CorruptBatch naming the key and
+field, never a traceback and never an invalid line in a collected file.
 """
 
 from __future__ import annotations
 
+import functools
 import json
+import math
 import os
+import stat
 import tempfile
 import time
 from collections.abc import Iterator
 from typing import Literal
 
+import redis
 from redis import Redis
 from rq import Queue
+from rq.exceptions import NoSuchJobError
+from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from jobstore import config, store
 from jobstore.jobfile import JobLine
-from jobstore.keys import AUDIT_CHECKED, AUDIT_MISMATCHES, Keys
+from jobstore.keys import AUDIT_CHECKED, AUDIT_MISMATCHES, Keys, is_job_of, job_id
 from jobstore.limits import TERMINAL_STATUSES
-from jobstore.lines import dumps, error_line, line_id
+from jobstore.lines import dumps, error_line
 from producer.submit import _job_data
 
 TERMINAL = TERMINAL_STATUSES
@@ -32,24 +40,109 @@ class BatchError(Exception):
     """A batch operation cannot be done as asked; the message says why."""
 
 
+class CorruptBatch(BatchError):
+    """The batch's state in Redis is damaged (a key of the wrong type, a counter that is
+    not a number, a stored line that is not JSON); the message names the key and field."""
+
+
+class OutputError(BatchError):
+    """A collect output file cannot be written; nothing was changed on disk."""
+
+
+class CorruptLines(CorruptBatch):
+    """Collect wrote its files, but some stored lines were not valid JSON: each was
+    written as an `internal_error` error line instead. `counts` are collect's counts."""
+
+    def __init__(self, message: str, counts: dict[str, int]):
+        super().__init__(message)
+        self.counts = counts
+
+
 def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else value
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
+
+
+def _first_line(exc: Exception) -> str:
+    return (str(exc) or type(exc).__name__).splitlines()[0]
+
+
+def _redis_refusals(func):
+    """A command Redis refuses (a key of the wrong type, a script that meets damaged
+    data, a full Redis) becomes one BatchError line, not a traceback."""
+
+    @functools.wraps(func)
+    def run(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except redis.exceptions.ResponseError as exc:
+            error = CorruptBatch if str(exc).startswith("WRONGTYPE") else BatchError
+            raise error(f"Redis refused a command: {_first_line(exc)}") from exc
+
+    return run
+
+
+def check_key_types(conn: Redis, keys: Keys, batch_id: str) -> None:
+    """Raises CorruptBatch naming the first key of the batch that holds the wrong type."""
+    problem = store.wrong_key_type(conn, keys, batch_id)
+    if problem:
+        raise CorruptBatch(problem)
+
+
+#: Batch hash fields read as integers (besides every `sd:` counter) and as timestamps.
+_INT_FIELDS = (
+    "completed",
+    "failed",
+    "prompt_tokens",
+    "completion_tokens",
+    "busy_ms",
+    "result_ttl",
+    AUDIT_CHECKED,
+    AUDIT_MISMATCHES,
+)
+_TIME_FIELDS = ("created_at", "started_at", "last_done_at", "completed_at")
+
+
+def _check_meta(key: str, meta: dict[str, str]) -> None:
+    for field, value in meta.items():
+        if field in _INT_FIELDS or field.startswith("sd:"):
+            _integer(key, field, value)
+        elif field in _TIME_FIELDS:
+            _timestamp(key, field, value)
+        if field.startswith(("sd:hist:", "sd:dpp:", "sd:app:")):
+            index = field.split(":", 2)[2]
+            if not index.isdigit():
+                raise CorruptBatch(f"key {key} field {field}: position {index!r} is not a number")
+
+
+def _integer(key: str, field: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError as exc:
+        raise CorruptBatch(f"key {key} field {field}: expected an integer, got {value!r}") from exc
+
+
+def _timestamp(key: str, field: str, value: str) -> float:
+    try:
+        t = float(value)
+    except ValueError:
+        t = math.nan
+    if not math.isfinite(t):
+        raise CorruptBatch(f"key {key} field {field}: expected a Unix time, got {value!r}")
+    return t
 
 
 def _meta(conn: Redis, keys: Keys, batch_id: str) -> dict[str, str]:
+    check_key_types(conn, keys, batch_id)
     raw = conn.hgetall(keys.batch(batch_id))
     if not raw:
         raise BatchError(f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r})")
-    return {_text(k): _text(v) for k, v in raw.items()}
+    meta = {_text(k): _text(v) for k, v in raw.items()}
+    _check_meta(keys.batch(batch_id), meta)
+    return meta
 
 
 def models_of(meta: dict[str, str]) -> list[str]:
     return sorted(k.split(":", 1)[1] for k in meta if k.startswith("model:"))
-
-
-def _is_batch_job(job_id: str, batch_id: str) -> bool:
-    prefix = f"{batch_id}-"
-    return job_id.startswith(prefix) and job_id[len(prefix) :].isdigit()
 
 
 def running_jobs(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> list[str]:
@@ -57,12 +150,18 @@ def running_jobs(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> l
     out = []
     for alias in models:
         registry = StartedJobRegistry(keys.queue_name(alias), connection=conn)
-        out += [j for j in registry.get_job_ids(cleanup=False) if _is_batch_job(j, batch_id)]
+        try:
+            ids = registry.get_job_ids(cleanup=False)
+        except redis.exceptions.ResponseError as exc:  # WRONGTYPE: not RQ's zset any more
+            raise CorruptBatch(f"key {registry.key}: {_first_line(exc)}") from exc
+        out += [j for j in ids if is_job_of(batch_id, j)]
     return out
 
 
+@_redis_refusals
 def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
-    """The batch status object of FORMATS.md. Raises BatchError for an unknown batch."""
+    """The batch status object of FORMATS.md. Raises BatchError for an unknown batch,
+    CorruptBatch for damaged state."""
     meta = _meta(conn, keys, batch_id)
     now = time.time()
     total = conn.zcard(keys.order(batch_id))
@@ -125,10 +224,14 @@ def audit_summary(meta: dict[str, str]) -> dict[str, int]:
 
 
 def _workers(conn: Redis, keys: Keys, batch_id: str) -> list[dict]:
+    key = keys.batch_workers(batch_id)
     by_name: dict[str, dict[str, int]] = {}
-    for field, value in conn.hgetall(keys.batch_workers(batch_id)).items():
-        counter, name = _text(field).split(":", 1)
-        by_name.setdefault(name, {})[counter] = int(value)
+    for raw_field, value in conn.hgetall(key).items():
+        field = _text(raw_field)
+        counter, sep, name = field.partition(":")
+        if not sep:
+            raise CorruptBatch(f"key {key} field {field}: expected <counter>:<worker>")
+        by_name.setdefault(name, {})[counter] = _integer(key, field, _text(value))
     out = []
     for name in sorted(by_name):
         c = by_name[name]
@@ -162,6 +265,7 @@ def _line_keys(conn: Redis, keys: Keys, batch_id: str, order: str) -> Iterator[l
         start += step
 
 
+@_redis_refusals
 def collect(
     conn: Redis,
     keys: Keys,
@@ -173,71 +277,239 @@ def collect(
 ) -> dict[str, int]:
     """Write the batch's lines: results to out_path, error lines to errors_path (or also
     to out_path when it is None). Files are written whole or not at all (temporary
-    file, then rename). Returns counts {"results", "errors", "pending"}.
+    files beside the targets, renamed over them once both are written; a symlink is
+    written through). Returns counts {"results", "errors", "pending"}.
 
-    With delete, the batch must be finished; its keys are removed after the files are
-    written. Raises BatchError.
+    A stored line that is not a JSON object is written as an `internal_error` error
+    line instead, and CorruptLines is raised once the files are written. With delete,
+    every line must be final (nothing queued or running) and written, else BatchError
+    before anything is written; the batch's keys are removed after the files are.
+    Raises OutputError when a file cannot be written (then no file was changed).
     """
     meta = _meta(conn, keys, batch_id)
-    if delete and status(conn, keys, batch_id)["status"] not in TERMINAL:
-        raise BatchError(f"batch {batch_id} is not finished: collect without --delete, or wait")
+    targets = check_outputs(out_path, errors_path)
+    if delete:
+        _check_final(conn, keys, batch_id)
     counts = {"results": 0, "errors": 0, "pending": 0}
-    with _AtomicWriter(out_path) as out, _AtomicWriter(errors_path) as err:
+    corrupt, first_corrupt = 0, ""
+    with _Outputs(targets) as files:
+        err_role = "--errors" if errors_path else "-o"
         for chunk in _line_keys(conn, keys, batch_id, order):
             with conn.pipeline(transaction=False) as pipe:
                 pipe.hmget(keys.results(batch_id), chunk)
                 pipe.hmget(keys.errors(batch_id), chunk)
                 results, errors = pipe.execute()
-            for result, error in zip(results, errors, strict=True):
-                if result is not None:
-                    out.write(result)
-                    counts["results"] += 1
-                elif error is not None:
-                    (err if errors_path else out).write(error)
-                    counts["errors"] += 1
-                else:
+            for line_key, result, error in zip(chunk, results, errors, strict=True):
+                raw, hash_key = (
+                    (result, keys.results(batch_id))
+                    if result is not None
+                    else (error, keys.errors(batch_id))
+                )
+                if raw is None:
                     counts["pending"] += 1
+                    continue
+                problem = _not_a_line(raw)
+                if problem:
+                    where = f"key {hash_key} field {line_key}: {problem}"
+                    first_corrupt = first_corrupt or where
+                    raw = _corrupt_line(conn, keys, batch_id, line_key, where)
+                    corrupt += 1
+                    result = None
+                if result is not None:
+                    files.write("-o", raw)
+                    counts["results"] += 1
+                else:
+                    files.write(err_role, raw)
+                    counts["errors"] += 1
+    if corrupt:
+        raise CorruptLines(
+            f"{corrupt} stored line(s) of batch {batch_id} are not valid JSON "
+            f"(first: {first_corrupt}); wrote them as internal_error error lines"
+            + ("; the batch was not deleted" if delete else ""),
+            {**counts, "corrupt": corrupt},
+        )
     if delete:
+        if counts["pending"]:
+            raise BatchError(
+                f"batch {batch_id}: {counts['pending']} line(s) have no result or error line "
+                "yet: the files were written, the batch was not deleted"
+            )
         _delete(conn, keys, batch_id, models_of(meta))
     return counts
 
 
-class _AtomicWriter:
-    """Lines to a temporary file beside `path`, renamed over it on success."""
+def _check_final(conn: Redis, keys: Keys, batch_id: str) -> None:
+    """Raises BatchError unless every line of the batch is final: a result or error line
+    for each, nothing queued or running, no spec-submit still enqueueing."""
+    state = status(conn, keys, batch_id)
+    c = state["request_counts"]
+    waiting = [f"{c[k]} {k}" for k in ("running", "queued") if c[k]]
+    if conn.exists(keys.submitting(batch_id)):
+        waiting.append("a spec-submit still enqueueing")
+    if waiting or state["status"] not in TERMINAL:
+        what = "cancelled but not finished" if state["status"] == "cancelled" else "not finished"
+        detail = f" ({', '.join(waiting)})" if waiting else ""
+        raise BatchError(f"batch {batch_id} is {what}{detail}: collect without --delete, or wait")
 
-    def __init__(self, path: str | None):
-        self.path = path
-        self._file = None
+
+def _not_a_line(raw: bytes) -> str | None:
+    """Why a stored line cannot be written as a JSONL line (None when it can)."""
+    try:
+        value = json.loads(raw)
+    except (ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
+        return f"not valid JSON ({type(exc).__name__}: {exc})"
+    if not isinstance(value, dict):
+        return f"not a JSON object (a {type(value).__name__})"
+    return None
+
+
+def _corrupt_line(conn: Redis, keys: Keys, batch_id: str, line_key: str, where: str) -> str:
+    """The internal_error error line written in place of a damaged stored line."""
+    score = conn.zscore(keys.order(batch_id), line_key)
+    line = int(score) if score is not None else 0
+    custom_id = line_key[2:] if line_key.startswith("c:") else None
+    message = f"the stored line is damaged ({where}): run the line again in a new batch"
+    return dumps(error_line(batch_id, line, custom_id, "internal_error", message))
+
+
+def check_outputs(out_path: str, errors_path: str | None) -> dict[str, tuple[str, str]]:
+    """{option: (path as given, real path to replace)} for -o and --errors. Raises
+    OutputError when either cannot be written or both name one file (call it before
+    waiting for a batch, to fail at once)."""
+    targets = {"-o": (out_path, _target("-o", out_path))}
+    if errors_path:
+        targets["--errors"] = (errors_path, _target("--errors", errors_path))
+        real_out, real_errors = targets["-o"][1], targets["--errors"][1]
+        same = real_out == real_errors
+        try:
+            same = same or os.path.samefile(real_out, real_errors)
+        except OSError:
+            pass  # one of them does not exist yet: different files
+        if same:
+            raise OutputError(
+                f"-o {out_path} and --errors {errors_path} are the same file: give --errors "
+                "another file, or leave it out to write error lines into -o"
+            )
+    return targets
+
+
+def _target(option: str, path: str) -> str:
+    """The file that writing `path` replaces (a symlink's target, so the link stays)."""
+    real = os.path.realpath(path)
+    directory = os.path.dirname(real)
+    if not os.path.isdir(directory):
+        raise OutputError(f"{option} {path}: directory {directory} does not exist")
+    try:
+        st = os.stat(real)
+    except FileNotFoundError:
+        return real
+    except OSError as exc:
+        raise OutputError(f"{option} {path}: {exc.strerror}") from exc
+    if stat.S_ISDIR(st.st_mode):
+        raise OutputError(f"{option} {path}: is a directory, not a file")
+    if not stat.S_ISREG(st.st_mode):
+        raise OutputError(f"{option} {path}: not a regular file")
+    if not st.st_mode & 0o222 or not os.access(real, os.W_OK):
+        raise OutputError(f"{option} {path}: the file is read-only")
+    return real
+
+
+class _Outputs:
+    """Lines to temporary files beside their targets; every target is replaced only once
+    all files are written and synced. On any failure the temporary files are removed
+    and the targets are left as they were."""
+
+    def __init__(self, targets: dict[str, tuple[str, str]]):
+        self.targets = targets
+        self._files: dict[str, tuple[str, object]] = {}  # option -> (temporary path, file)
 
     def __enter__(self):
-        if self.path:
-            directory = os.path.dirname(os.path.abspath(self.path))
-            fd, self._tmp = tempfile.mkstemp(prefix=".spec-collect-", dir=directory)
-            self._file = os.fdopen(fd, "wb")
+        try:
+            for option, (shown, real) in self.targets.items():
+                self._files[option] = self._open(option, shown, real)
+        except BaseException:
+            self._discard()
+            raise
         return self
 
-    def write(self, line: bytes | str) -> None:
+    def _open(self, option: str, shown: str, real: str):
+        directory = os.path.dirname(real)
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".spec-collect-", dir=directory)
+        except OSError as exc:
+            raise OutputError(
+                f"{option} {shown}: cannot create a file in {directory}: {exc.strerror}"
+            ) from exc
+        try:
+            mode = os.stat(real).st_mode & 0o7777
+        except OSError:
+            mode = 0o666 & ~_umask()
+        os.fchmod(fd, mode)
+        return tmp, os.fdopen(fd, "wb")
+
+    def write(self, option: str, line: bytes | str) -> None:
         data = line if isinstance(line, bytes) else line.encode()
-        self._file.write(data + b"\n")
+        try:
+            self._files[option][1].write(data + b"\n")
+        except OSError as exc:
+            raise self._failed(option, exc) from exc
+
+    def _failed(self, option: str, exc: OSError) -> OutputError:
+        return OutputError(
+            f"{option} {self.targets[option][0]}: cannot write: {exc.strerror}; "
+            "the file was left as it was"
+        )
 
     def __exit__(self, exc_type, exc, tb):
-        if self._file is None:
+        if exc_type is not None:
+            self._discard()
             return
-        self._file.close()
-        if exc_type is None:
-            os.replace(self._tmp, self.path)
-        else:
-            os.unlink(self._tmp)
+        try:
+            for option, (_, f) in self._files.items():
+                try:
+                    f.flush()
+                    os.fsync(f.fileno())
+                    f.close()
+                except OSError as error:
+                    raise self._failed(option, error) from error
+            for option, (tmp, _) in self._files.items():
+                try:
+                    os.replace(tmp, self.targets[option][1])
+                except OSError as error:
+                    raise self._failed(option, error) from error
+        except BaseException:
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        for tmp, f in self._files.values():
+            try:
+                f.close()
+            except OSError:
+                pass  # a full disk may refuse the last flush too: the file goes anyway
+            try:
+                os.unlink(tmp)
+            except FileNotFoundError:
+                pass
+
+
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def _delete(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> None:
-    for chunk in _scores(conn, keys, batch_id):
+    for chunk in _line_keys(conn, keys, batch_id, "input"):
+        records = conn.hmget(keys.requests(batch_id), chunk)
         with conn.pipeline(transaction=False) as pipe:
-            for line in chunk:
-                job_id = line_id(batch_id, line)
-                pipe.delete(keys.rq_job(job_id))
+            for key, record in zip(chunk, records, strict=True):
+                if record is None:  # rejected at submit time: it never had a job
+                    continue
+                job = job_id(batch_id, key, int(json.loads(record)["line"]))
+                pipe.delete(keys.rq_job(job))
                 for alias in models:
-                    pipe.zrem(keys.rq_failed(alias), job_id)
+                    pipe.zrem(keys.rq_failed(alias), job)
             pipe.execute()
     with conn.pipeline() as pipe:
         pipe.delete(*keys.batch_keys(batch_id))
@@ -245,16 +517,7 @@ def _delete(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> None:
         pipe.execute()
 
 
-def _scores(conn: Redis, keys: Keys, batch_id: str) -> Iterator[list[int]]:
-    start, step = 0, config.CHUNK_LINES
-    while True:
-        chunk = conn.zrange(keys.order(batch_id), start, start + step - 1, withscores=True)
-        if not chunk:
-            return
-        yield [int(score) for _, score in chunk]
-        start += step
-
-
+@_redis_refusals
 def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
     """Queue again every line that ended in an error line and has a request (lines
     rejected at submit time have none: fix and re-submit those). Returns the count."""
@@ -264,7 +527,10 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
     for i in range(0, len(failed), config.CHUNK_LINES):
         chunk = failed[i : i + config.CHUNK_LINES]
         found = conn.hmget(keys.requests(batch_id), chunk)
-        retryable += [k for k, record in zip(chunk, found, strict=True) if record is not None]
+        for key, record in zip(chunk, found, strict=True):
+            if record is not None:
+                _request(keys.requests(batch_id), key, record)  # damage found before any change
+                retryable.append(key)
     conn.hdel(keys.batch(batch_id), "cancelled")
     queues: dict[str, Queue] = {}
     for i in range(0, len(retryable), config.CHUNK_LINES):
@@ -275,9 +541,9 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
         with conn.pipeline(transaction=False) as pipe:
             for key, record in zip(chunk, records, strict=True):
                 job = JobLine.from_record(json.loads(record))
-                job_id = line_id(batch_id, job.line)
-                pipe.delete(keys.rq_job(job_id))
-                pipe.zrem(keys.rq_failed(job.model), job_id)
+                old = job_id(batch_id, key, job.line)
+                pipe.delete(keys.rq_job(old))
+                pipe.zrem(keys.rq_failed(job.model), old)
                 jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
             for alias, datas in jobs.items():
                 queue = queues.setdefault(
@@ -288,6 +554,18 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
     return len(retryable)
 
 
+@_redis_refusals
+def _request(hash_key: str, field: str, record: bytes) -> JobLine:
+    """A stored request record as a JobLine. Raises CorruptBatch naming key and field."""
+    try:
+        return JobLine.from_record(json.loads(record))
+    except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
+        raise CorruptBatch(
+            f"key {hash_key} field {field}: not a request record ({type(exc).__name__}: {exc})"
+        ) from exc
+
+
+@_redis_refusals
 def cancel(conn: Redis, keys: Keys, batch_id: str) -> int:
     """Mark the batch cancelled and take its waiting jobs out of the queues; each gets a
     `cancelled` error line. Jobs already running finish. Returns how many were removed."""
@@ -296,17 +574,24 @@ def cancel(conn: Redis, keys: Keys, batch_id: str) -> int:
     removed = 0
     for alias in models_of(meta):
         queue = Queue(keys.queue_name(alias), connection=conn, serializer=JSONSerializer)
-        job_ids = store.remove_queued(conn, queue.key, batch_id)
-        for job_id in job_ids:
-            line = int(job_id.rsplit("-", 1)[1])
-            found = conn.zrangebyscore(keys.order(batch_id), line, line)
-            conn.delete(keys.rq_job(job_id))
-            if not found:
+        for removed_id in store.remove_queued(conn, queue.key, batch_id):
+            line = int(removed_id.rsplit("-", 1)[1])
+            key = _key_of_job(conn, removed_id)
+            conn.delete(keys.rq_job(removed_id))
+            if key is None:
                 continue
-            key = _text(found[0])
             custom_id = key[2:] if key.startswith("c:") else None
             line_json = dumps(
                 error_line(batch_id, line, custom_id, "cancelled", "cancelled before it started")
             )
             removed += store.store_line(conn, keys, batch_id, key, line_json, ok=False)
     return removed
+
+
+def _key_of_job(conn: Redis, job: str) -> str | None:
+    """The line key a job of this project runs (its second argument), or None."""
+    try:
+        args = Job.fetch(job, connection=conn, serializer=JSONSerializer).args
+    except (NoSuchJobError, ValueError, TypeError):
+        return None
+    return args[1] if isinstance(args, list | tuple) and len(args) == 2 else None

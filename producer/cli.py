@@ -19,7 +19,7 @@ from jobstore.jobfile import validate
 from jobstore.keys import Keys, check_batch_id, new_batch_id
 from jobstore.options import fail, friendly_errors, redis_option
 from producer import batches
-from producer.submit import enqueue_file
+from producer.submit import SubmitError, enqueue_file
 from producer.tokencount import ContextChecker
 from reporting import progress
 
@@ -65,7 +65,7 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
     metavar="FILE",
     help="With --wait: write error lines here (default: into -o).",
 )
-@friendly_errors("spec-submit", batches.BatchError)
+@friendly_errors("spec-submit", batches.BatchError, SubmitError)
 def submit(
     jobs_file, redis_url, model, batch_id, skip_invalid, result_ttl, wait, output, errors_path
 ):
@@ -94,7 +94,15 @@ def submit(
         fail("spec-submit", f"{jobs_file}: no requests (the file is empty)")
 
     report = enqueue_file(
-        conn, keys, jobs_file, batch_id, config.DEFAULT_MODEL, model, checker, result_ttl
+        conn,
+        keys,
+        jobs_file,
+        batch_id,
+        config.DEFAULT_MODEL,
+        model,
+        checker,
+        result_ttl,
+        total_lines=valid + invalid,
     )
     click.echo(batch_id)
     parts = [f"{report.enqueued} enqueued"]
@@ -232,13 +240,18 @@ def status(batch_id, redis_url, as_json, watch):
 @click.option(
     "--delete",
     is_flag=True,
-    help="Delete the batch from Redis once written (finished batches only).",
+    help="Delete the batch from Redis once written (only when every line is final: "
+    "nothing queued or running).",
 )
 @friendly_errors("spec-collect", batches.BatchError)
 def collect(batch_id, redis_url, output, errors_path, order, delete):
     """Write a batch's result lines (and error lines) to files."""
     conn = connect(redis_url)
-    counts = batches.collect(conn, Keys.default(), batch_id, output, errors_path, order, delete)
+    try:
+        counts = batches.collect(conn, Keys.default(), batch_id, output, errors_path, order, delete)
+    except batches.CorruptLines as exc:
+        _say(_collected(exc.counts, output, errors_path))
+        raise
     _say(_collected(counts, output, errors_path) + ("; deleted the batch" if delete else ""))
 
 

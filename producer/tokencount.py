@@ -7,11 +7,16 @@ file (the engine package is never imported). The count is a lower bound: the pro
 without special tokens, chat messages as their contents without the template. So the
 check never rejects a line that fits; the worker checks again, exactly, and writes a
 `context_length_exceeded` error line for what slips through.
+
+Counting stops once the count passes what the context leaves for the prompt, and a long
+text is tokenized WINDOW_CHARS characters at a time: the tokenizers library holds about
+200 bytes per character while it encodes, so a whole 8 MB prompt would cost ~2 GB.
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 from redis import Redis
 
@@ -62,7 +67,7 @@ class ContextChecker:
         # Cheap bound first: a (byte-level) token covers at least one UTF-8 byte.
         if sum(len(t.encode()) for t in texts) <= model.context_length - max_tokens:
             return None
-        n = sum(len(model.tokenizer.encode(t, add_special_tokens=False).ids) for t in texts)
+        n = count_tokens(model.tokenizer, texts, model.context_length - max_tokens)
         if n + max_tokens > model.context_length:
             return LineError(
                 job.line,
@@ -96,6 +101,39 @@ class ContextChecker:
         if context is None:
             return None
         return _Model(_tokenizer(tokenizer_json), context)
+
+
+#: Characters tokenized per call while counting a long prompt (bounds memory).
+WINDOW_CHARS = 1 << 16
+
+_WORD_START = re.compile(r"\s(?=\S)")
+
+
+def count_tokens(tokenizer, texts: list[str], limit: int) -> int:
+    """Tokens of `texts` (no special tokens), counted until the count passes `limit`:
+    exact when it is at most `limit`, else a lower bound above `limit`.
+
+    A text longer than WINDOW_CHARS is tokenized a window at a time, each cut made
+    before the last space that starts a word (where a byte-level or metaspace
+    tokenizer starts a new pre-token anyway), and one token per cut is taken off, so
+    the sum stays a lower bound of the whole text's count.
+    """
+    n = 0
+    for text in texts:
+        start = 0
+        while start < len(text) and n <= limit:
+            end = start + WINDOW_CHARS
+            if end < len(text):
+                last = None
+                for last in _WORD_START.finditer(text, start + 1, end + 1):  # noqa: B007
+                    pass
+                end = last.start() if last is not None else end
+            piece = text[start:end]
+            n += len(tokenizer.encode(piece, add_special_tokens=False).ids)
+            if end < len(text):
+                n -= 1
+            start = end
+    return n
 
 
 def _context_length(cfg: dict) -> int:

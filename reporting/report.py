@@ -12,13 +12,13 @@ import json
 import math
 import time
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import click
 
 from jobstore import stats
-from jobstore.options import friendly_errors, redis_option
+from jobstore.options import fail, friendly_errors, redis_option
 
 #: Worker name for lines that do not say which worker ran them (e.g. `spec-run`).
 LOCAL_WORKER = "local"
@@ -52,7 +52,19 @@ class Line:
 
 
 def parse_line(obj: dict) -> Line:
-    """A result line or an error line (FORMATS.md) as a Line. Raises ReportError."""
+    """A result line or an error line (FORMATS.md) as a Line. Raises ReportError, also
+    for a line whose fields have the wrong types (the report could not sum it)."""
+    try:
+        line = _parse(obj)
+        summarize([line])
+        if not all(math.isfinite(t) for t in (line.created or 0.0, line.generation_ms)):
+            raise ValueError("a time that is not a finite number")
+    except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
+        raise ReportError(f"not a result or error line ({type(exc).__name__}: {exc})") from exc
+    return line
+
+
+def _parse(obj: dict) -> Line:
     if not isinstance(obj, dict) or "custom_id" not in obj:
         raise ReportError("not a result or error line (no custom_id)")
     response, error = obj.get("response"), obj.get("error")
@@ -73,7 +85,7 @@ def parse_line(obj: dict) -> Line:
         obj["custom_id"],
         True,
         worker=str(worker),
-        model=body.get("model"),
+        model=str(body["model"]) if body.get("model") is not None else None,
         created=float(body["created"]) if body.get("created") is not None else None,
         generation_ms=float(metrics.get("generation_time_ms") or 0.0),
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
@@ -94,29 +106,56 @@ def read_jsonl(path: str) -> Iterator[Line]:
                 continue
             try:
                 yield parse_line(json.loads(text))
-            except (json.JSONDecodeError, ReportError, TypeError, ValueError) as exc:
+            except (ReportError, ValueError, RecursionError) as exc:  # ValueError: not JSON
                 raise ReportError(f"{path}:{number}: {exc}") from exc
 
 
-def read_batch(conn, keys, batch_id: str, chunk: int = 500) -> Iterator[Line]:
+def read_batch(
+    conn, keys, batch_id: str, chunk: int = 500, warn: Callable[[str], None] | None = None
+) -> Iterator[Line]:
     """The lines a batch has written so far, in the order they were written, from
-    the `results`/`errors` hashes and the `done` list of jobstore.keys."""
-    if not conn.exists(keys.batch(batch_id)):
-        raise ReportError(f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r})")
-    start = 0
-    while True:
-        line_keys = conn.lrange(keys.done(batch_id), start, start + chunk - 1)
-        if not line_keys:
-            return
-        with conn.pipeline(transaction=False) as pipe:
-            pipe.hmget(keys.results(batch_id), line_keys)
-            pipe.hmget(keys.errors(batch_id), line_keys)
-            results, errors = pipe.execute()
-        for result, error in zip(results, errors, strict=True):
-            raw = result if result is not None else error
-            if raw is not None:
-                yield parse_line(json.loads(raw))
-        start += chunk
+    the `results`/`errors` hashes and the `done` list of jobstore.keys. A damaged stored
+    line (not JSON, or not a result or error line) counts as an `internal_error` line,
+    and `warn` is called with its key and field. Raises ReportError (unknown batch, a
+    key of the wrong type)."""
+    import redis
+
+    from jobstore.store import wrong_key_type
+
+    try:
+        problem = wrong_key_type(conn, keys, batch_id)
+        if problem:
+            raise ReportError(f"batch {batch_id}: {problem}")
+        if not conn.exists(keys.batch(batch_id)):
+            raise ReportError(f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r})")
+        start = 0
+        while True:
+            line_keys = conn.lrange(keys.done(batch_id), start, start + chunk - 1)
+            if not line_keys:
+                return
+            with conn.pipeline(transaction=False) as pipe:
+                pipe.hmget(keys.results(batch_id), line_keys)
+                pipe.hmget(keys.errors(batch_id), line_keys)
+                results, errors = pipe.execute()
+            for line_key, result, error in zip(line_keys, results, errors, strict=True):
+                raw, key = (result, keys.results) if result is not None else (error, keys.errors)
+                if raw is not None:
+                    yield _stored_line(raw, key(batch_id), line_key, warn)
+            start += chunk
+    except redis.exceptions.ResponseError as exc:
+        raise ReportError(f"batch {batch_id}: {exc}") from exc
+
+
+def _stored_line(raw, key: str, line_key, warn: Callable[[str], None] | None) -> Line:
+    field = line_key.decode(errors="replace") if isinstance(line_key, bytes) else line_key
+    try:
+        return parse_line(json.loads(raw))
+    except (ValueError, RecursionError, ReportError) as exc:  # ValueError: not JSON, not UTF-8
+        problem = f"key {key} field {field}: damaged stored line ({exc})"
+    if warn:
+        warn(f"{problem}; counted as an internal_error line")
+    custom_id = field[2:] if field.startswith("c:") else None
+    return Line(custom_id, False, error_code="internal_error", error_message=problem)
 
 
 # --- statistics -----------------------------------------------------------------------
@@ -578,8 +617,11 @@ def main(batch_id, results_path, errors_path, redis_url, output):
         lines = _batch_lines(batch_id, redis_url)
         title = f"specfleet report: batch {batch_id}"
     page = render(lines, title)
-    with open(output, "w", encoding="utf-8") as f:
-        f.write(page)
+    try:
+        with open(output, "w", encoding="utf-8") as f:
+            f.write(page)
+    except OSError as exc:
+        fail("spec-report", f"{output}: cannot write: {exc.strerror}")
     s = summarize(lines)
     click.echo(
         f"wrote {output}: {s.requests} requests, {s.failed} failed, "
@@ -592,4 +634,9 @@ def _batch_lines(batch_id: str, redis_url: str | None) -> list[Line]:
     from jobstore.connection import connect
     from jobstore.keys import Keys
 
-    return list(read_batch(connect(redis_url), Keys.default(), batch_id))
+    conn = connect(redis_url)
+
+    def warn(message: str) -> None:
+        click.echo(f"spec-report: warning: {message}", err=True)
+
+    return list(read_batch(conn, Keys.default(), batch_id, warn=warn))

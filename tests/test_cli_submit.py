@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 from test_jobfile import BAD_LINES, GOOD, GOOD_AFTER
 
+from jobstore.keys import job_id
 from producer import cli
 
 
@@ -122,8 +123,8 @@ def test_skip_invalid_enqueues_the_rest_and_records_error_lines(redis_env, tmp_p
     assert f"follow it:  spec-status {batch}" in result.stderr
     conn, keys = redis_env.conn, redis_env.keys
     assert conn.lrange(f"rq:queue:{keys.queue_name('demo')}", 0, -1) == [
-        f"{batch}-1".encode(),
-        f"{batch}-3".encode(),
+        job_id(batch, "c:row-1", 1).encode(),
+        job_id(batch, "c:row-3", 3).encode(),
     ]
     error = json.loads(conn.hget(keys.errors(batch), "c:b"))
     assert error == {
@@ -154,7 +155,7 @@ def test_jobs_are_json_with_finite_timeouts_and_route_by_model(redis_env, tmp_pa
     (job_a,) = demo.jobs
     (job_b,) = other.jobs
     assert (job_a.id, job_a.func_name, job_a.args) == (
-        f"{batch}-1",
+        job_id(batch, "c:a", 1),
         "worker.jobs.run_request",
         [batch, "c:a"],
     )

@@ -12,7 +12,7 @@ from tiny_models import build_llama, build_tokenizer, reference_greedy, tiny_pai
 
 import engine
 from engine import GenerationRequest
-from engine.core import SpeculativeDecoder
+from engine.batch import SpeculativeDecoder
 from engine.sampling import SamplingParams
 
 PROMPTS = [
@@ -108,7 +108,7 @@ def test_caches_hold_exactly_the_accepted_text_after_every_step(demo, temperatur
     assert rejections > 0, "the test must exercise rollback"
     # The rolled-back cache is the cache of the accepted text: logits match a fresh pass.
     fresh = demo.target(mx.array([accepted]))[0, -1]
-    cached = demo.target(mx.array([[accepted[-1]]]), cache=dec.target_cache)[0, -1]
+    cached = demo.target(mx.array([[accepted[-1]]]), cache=dec.batch.t_cache)[0, -1]
     assert mx.allclose(fresh, cached, atol=1e-4).item()
 
 
@@ -160,16 +160,12 @@ def test_stop_string_ends_text_before_it_even_across_blocks(demo):
 
 def test_stream_pieces_join_to_the_text(demo):
     req = GenerationRequest(prompt="import os\n", max_tokens=40, stop="\n\n\n")
-    gen = engine.stream(demo, req)
-    pieces = []
-    while True:
-        try:
-            pieces.append(next(gen))
-        except StopIteration as done:
-            result = done.value
-            break
-    assert "".join(pieces) == result.text
-    assert len(pieces) > 1
+    items = list(engine.stream(demo, req))
+    # Only the last item carries the result; the pieces join to its text.
+    assert [i.result is not None for i in items] == [False] * (len(items) - 1) + [True]
+    result = items[-1].result
+    assert "".join(i.text for i in items) == result.text
+    assert len(items) > 2
 
 
 def test_max_tokens_one(demo):
@@ -409,12 +405,10 @@ def test_ragged_cache_keeps_each_row_exactly_its_accepted_tokens(demo):
     for _ in range(8):
         for key, step in batch.step().items():
             accepted[key] += step.tokens
-        t_len = batch.t_rows.offset.tolist()
-        d_len = batch.d_rows.offset.tolist()
-        for row, tl in zip(batch.rows, t_len, strict=True):
+        for row in batch.rows:
+            tl, dl = batch.cache_lengths(row.key)
             assert tl == len(accepted[row.key]) - 1
-        for row, dl in zip(batch.d_members, d_len, strict=True):
-            assert dl == len(accepted[row.key]) - len(row.draft_pending)
+            assert dl == len(accepted[row.key]) - len(batch.proposer.pending(row.key))
     # The next step, run on the rolled-back caches, agrees with a fresh pass over the text.
     fresh = {
         row.key: mx.argmax(demo.target(mx.array([accepted[row.key]]))[0, -1]).item()

@@ -19,7 +19,7 @@ from tiny_models import build_llama
 
 import engine
 from engine import core, sampling
-from engine.core import SpeculativeDecoder
+from engine.batch import SpeculativeDecoder
 from engine.loading import ModelPair
 from engine.sampling import SamplingParams
 

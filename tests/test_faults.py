@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from conftest import PAIR_ARGS, RedisEnv, WorkerProcess, script
 from redis import Redis
-from rq.registry import StartedJobRegistry
+from rq.registry import FailedJobRegistry, StartedJobRegistry
 from test_queue import _collect, read_jsonl, write_jobs
 
 from jobstore.keys import Keys
@@ -169,8 +169,8 @@ def private_redis(tmp_path):
 # -- helpers --------------------------------------------------------------------------------
 
 
-def _job_of(redis_env, batch: str, line: int) -> dict[str, str]:
-    raw = redis_env.conn.hgetall(f"rq:job:{batch}-{line}")
+def _job_of(redis_env, batch: str, job: str) -> dict[str, str]:
+    raw = redis_env.conn.hgetall(f"rq:job:{job}")
     return {k.decode(): v.decode(errors="replace") for k, v in raw.items()}
 
 
@@ -275,7 +275,7 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
         # Re-queued (a retry used) by the reaper of a worker that is itself busy: no
         # replacement is started until then, and the queue never ran dry.
         _wait_until(
-            lambda line=line: _job_of(redis_env, batch, line).get("retries_left") == "1",
+            lambda job=victim_job: _job_of(redis_env, batch, job).get("retries_left") == "1",
             timeout=bound + 5,
             what=f"job {victim_job} to be re-queued",
             poll=0.01,
@@ -578,8 +578,8 @@ def test_a_job_delivered_twice_stores_one_result_and_counts_its_tokens_once(
     key = "c:twice"
     ran = f"{batch} line 1 (twice): 120 tokens"  # the job's own log line, once per run
     _wait_until(lambda: ran in a.log and ran in b.log, timeout=120, what="both runs", poll=0.1)
-    # rq may count the duplicate's bookkeeping as a failure and queue the job again:
-    # a later delivery finds the line stored and does nothing.
+    # The slower run finds the line stored and ends as a plain success (no failure of
+    # rq's bookkeeping, no new delivery, no failed-registry entry).
     queue_key = f"rq:queue:{redis_env.keys.queue_name('demo')}"
     _wait_until(
         lambda: redis_env.conn.llen(queue_key) == 0 and not _running(redis_env, batch),
@@ -592,6 +592,10 @@ def test_a_job_delivered_twice_stores_one_result_and_counts_its_tokens_once(
     for w in (a, b):
         assert w.wait(timeout=60) == 0, w.log
     assert "(already stored by another run)" in a.log + b.log
+    for said in ("not found in Redis", "internal_error", "Traceback"):
+        assert said not in a.log + b.log, a.log + b.log
+    failed = FailedJobRegistry(redis_env.keys.queue_name("demo"), connection=redis_env.conn)
+    assert failed.get_job_ids() == []
     (result,) = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
     assert result["custom_id"] == "twice" and result["error"] is None
     assert redis_env.conn.hlen(redis_env.keys.results(batch)) == 1

@@ -15,6 +15,8 @@ from rq import Callback, Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
+from jobstore import keys as key_layout
+
 PROMPTS = [
     "def fibonacci(n):",
     "import os\nimport sys\n",
@@ -369,7 +371,8 @@ def test_the_worker_rechecks_the_context_and_jobs_for_other_models_wait(
         "failed": 1,
     }
     other = Queue(redis_env.keys.queue_name("other-model"), connection=redis_env.conn)
-    assert other.job_ids == [f"{batch}-2"]  # never taken by the demo worker
+    # Never taken by the demo worker.
+    assert other.job_ids == [key_layout.job_id(batch, "c:elsewhere", 2)]
 
 
 def _wait_running(redis_env, batch: str, timeout: float = 60) -> None:
@@ -437,7 +440,8 @@ def test_a_poison_request_is_tried_three_times_then_becomes_an_error_line(
     redis_env.conn.hset(redis_env.keys.requests(batch), "c:poison", "{not json")  # breaks every run
     worker = start_worker("--burst", *PAIR_ARGS)
     assert worker.wait(timeout=120) == 0, worker.log  # the worker kept serving
-    assert worker.log.count(f"({batch}-1)") == 3  # dequeued three times: two retries
+    poison = key_layout.job_id(batch, "c:poison", 1)
+    assert worker.log.count(f"({poison})") == 3  # dequeued three times: two retries
     errors = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
     assert [(x["custom_id"], x["error"] and x["error"]["code"]) for x in errors] == [
         ("poison", "internal_error"),

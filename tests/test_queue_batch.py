@@ -13,6 +13,8 @@ from rq.registry import StartedJobRegistry
 from test_queue import LONG, _collect, comparable, mixed_lines, read_jsonl, write_jobs
 from test_queue_liveness import HEARTBEAT
 
+from jobstore.keys import job_id
+
 
 def _peak(log: str) -> int:
     found = [int(n) for n in re.findall(r"up to (\d+) at once", log)]
@@ -98,7 +100,7 @@ def test_a_batched_job_past_its_timeout_fails_alone(
     )
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    redis_env.conn.hset(f"rq:job:{batch}-1", "timeout", 1)
+    redis_env.conn.hset(f"rq:job:{job_id(batch, 'c:slow', 1)}", "timeout", 1)
     worker = start_worker("--burst", "--batch", "4", *slow_pair_args)
     assert worker.wait(timeout=180) == 0, worker.log
     lines = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))

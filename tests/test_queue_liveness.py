@@ -11,6 +11,8 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 from test_queue import LONG, _collect, _wait_running, read_jsonl, write_jobs
 
+from jobstore.keys import job_id
+
 HEARTBEAT = {"SPEC_HEARTBEAT_INTERVAL_S": "0.2", "SPEC_HEARTBEAT_TTL_S": "1"}
 
 
@@ -53,17 +55,17 @@ def test_a_killed_workers_job_is_requeued_even_while_the_others_are_busy(
     doomed = start_worker(*slow_pair_args)
     _wait_running(redis_env, batch)  # doomed runs a
     survivor = start_worker(*slow_pair_args)
-    survivor.wait_for_log(f"({batch}-2)", timeout=60)  # survivor busy with b
+    survivor.wait_for_log(f"({job_id(batch, 'c:b', 2)})", timeout=60)  # survivor busy with b
     doomed.signal(signal.SIGKILL)
     assert doomed.wait(timeout=10) == -signal.SIGKILL
     # Re-queued through the 1 s heartbeat expiry by the busy survivor's heartbeat thread,
     # long before the job timeout (minutes) and before the survivor is free again.
     deadline = time.monotonic() + 10
-    while Job.fetch(f"{batch}-1", connection=redis_env.conn).get_status() != "queued":
+    while Job.fetch(job_id(batch, "c:a", 1), connection=redis_env.conn).get_status() != "queued":
         assert time.monotonic() < deadline, survivor.log
         time.sleep(0.05)
     assert not redis_env.conn.hexists(redis_env.keys.results(batch), "c:b")  # still busy
-    job = Job.fetch(f"{batch}-1", connection=redis_env.conn)
+    job = Job.fetch(job_id(batch, "c:a", 1), connection=redis_env.conn)
     assert job.retries_left == 1  # one of its two retries used
     deadline = time.monotonic() + 120
     while redis_env.conn.hlen(redis_env.keys.results(batch)) < 2:
@@ -84,7 +86,8 @@ def test_a_job_past_its_timeout_is_stopped_and_becomes_a_timeout_line(
     )
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    redis_env.conn.hset(f"rq:job:{batch}-1", "timeout", 1)  # as if derived from a tiny max_tokens
+    # As if derived from a tiny max_tokens.
+    redis_env.conn.hset(f"rq:job:{job_id(batch, 'c:slow', 1)}", "timeout", 1)
     worker = start_worker("--burst", *slow_pair_args)
     assert worker.wait(timeout=120) == 0, worker.log
     lines = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))

@@ -125,7 +125,8 @@ def test_collect_streams_in_chunks_in_input_or_completion_order(redis_env, tmp_p
     assert result.exit_code == 1
     assert (
         result.stderr
-        == f"spec-collect: error: batch {batch} is not finished: collect without --delete, or wait\n"
+        == f"spec-collect: error: batch {batch} is not finished (3 queued): collect without "
+        "--delete, or wait\n"
     )
 
 

@@ -96,6 +96,7 @@ def worker(
     """Serve one model alias from its queue: load the pair once, run jobs in this process."""
     from worker.audit import Auditor, set_auditor
     from worker.jobs import WorkerContext, set_context
+    from worker.redisfull import WaitWhileFull
     from worker.rqworker import SafeJob, SpecWorker
 
     _setup_logging(log_level)
@@ -106,6 +107,8 @@ def worker(
         conn = connect(url)
     except RedisUnavailable as exc:
         fail("spec-worker", str(exc), EXIT_REDIS)
+    # A full Redis is waited out like an outage: results are held, not dropped.
+    conn.set_retry(WaitWhileFull(url, config.RECONNECT_BASE_S, config.reconnect_cap_s()))
     pair = _load_pair("spec-worker", target, draft)
     alias = alias or pair.name
     keys = Keys.default()

@@ -284,11 +284,14 @@ def check_mlx() -> Check:
 def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
     """Load the pair as a worker does; a Check, and the pair (None when it failed)."""
     import engine
+    from engine.families import UnsupportedModelError
 
     try:
         pair = engine.load_pair(target, draft, calibrate=True)
     except engine.TokenizerMismatchError as exc:
         return Check("FAIL", "tokenizers", str(exc)), None
+    except UnsupportedModelError as exc:
+        return Check("FAIL", "model family", str(exc)), None
     except engine.ModelLoadError as exc:
         return Check("FAIL", "pair", f"{exc}; check the --target/--draft paths"), None
     info = pair.info()
@@ -303,6 +306,20 @@ def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
         "pair",
         f"{what}; draft {info['draft_parameters'] / 1e6:.3g}M parameters, tokenizers agree",
     ), pair
+
+
+def check_features(pair) -> Check:
+    """Which drafters and batching the pair supports, and its layer kinds."""
+    f = pair.features()
+
+    def kinds(layers: dict) -> str:
+        return ", ".join(f"{n} {kind}" for kind, n in sorted(layers.items()))
+
+    layers = f"target layers: {kinds(f.target_layers)}"
+    if f.draft_layers:
+        layers += f"; draft layers: {kinds(f.draft_layers)}"
+    batching = "batching exact" if f.batching else "no batching"
+    return Check("OK", "features", f"drafters {', '.join(f.drafters)}; {batching}; {layers}")
 
 
 def _timed(pair, drafter: str) -> tuple[float, int, dict]:
@@ -369,6 +386,7 @@ def run_checks(redis_url, target, draft, context, memory_gb, bench, echo) -> lis
     add(loaded)
     if pair is None:
         return checks
+    add(check_features(pair))
     if bench:
         add(check_speculation(pair))
     return checks

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
@@ -23,7 +23,7 @@ from jobstore import config, store
 from jobstore.jobfile import JobLine
 from jobstore.keys import Keys
 from jobstore.lines import dumps, error_line
-from worker.execute import execute, failure
+from worker.execute import Outcome, execute, failure
 
 log = logging.getLogger("specfleet.worker")
 
@@ -38,9 +38,6 @@ class WorkerContext:
     conn: Redis
     keys: Keys
     ttl_s: int = 0
-    #: (batch id, line key) -> an Outcome computed in a batch (or an exception to
-    #: raise), handed to the job when RQ performs it (worker.rqbatch).
-    precomputed: dict = field(default_factory=dict)
 
 
 _context: WorkerContext | None = None
@@ -57,30 +54,72 @@ def get_context() -> WorkerContext:
     return _context
 
 
-def run_request(batch_id: str, line_key: str) -> dict:
-    """Run one line of a batch and store its result or error line.
+@dataclass(frozen=True)
+class Request:
+    """A line's state in Redis when a job comes to run it."""
 
-    Returns a small summary (stored by RQ only briefly). Raises on unexpected errors,
-    so RQ retries the job; the last failure becomes an error line in on_job_failure.
-    """
-    ctx = get_context()
+    answered: bool  # it has a result or error line already
+    line: JobLine | None  # None: no such request (batch deleted?), or unreadable
+    cancelled: bool
+    unreadable: str | None = None  # why the stored request cannot be parsed
+
+
+def read_request(ctx: WorkerContext, batch_id: str, line_key: str) -> Request:
+    """One look at a line: answered already, cancelled, and its parsed request."""
     conn, keys = ctx.conn, ctx.keys
-    ready = ctx.precomputed.pop((batch_id, line_key), None)
-    if isinstance(ready, BaseException):
-        raise ready  # e.g. the job's timeout, met while it ran in a batch
     with conn.pipeline(transaction=False) as pipe:
         pipe.hexists(keys.results(batch_id), line_key)
         pipe.hexists(keys.errors(batch_id), line_key)
         pipe.hget(keys.requests(batch_id), line_key)
         pipe.hget(keys.batch(batch_id), "cancelled")
         has_result, has_error, record, cancelled = pipe.execute()
-    if has_result or has_error:
+    line, unreadable = None, None
+    if record is not None:
+        try:
+            line = JobLine.from_record(json.loads(record))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            unreadable = f"{type(exc).__name__}: {exc}"
+    return Request(bool(has_result or has_error), line, bool(cancelled), unreadable)
+
+
+def _unreadable(ctx: WorkerContext, batch_id: str, line_key: str, reason: str) -> Outcome:
+    """The error line of a request whose stored record cannot be parsed: written at once
+    (a retry would read the same bytes)."""
+    number = int(ctx.conn.zscore(ctx.keys.order(batch_id), line_key) or 0)
+    custom_id = line_key[2:] if line_key.startswith("c:") else None
+    message = (
+        f"the stored request cannot be read ({ctx.keys.requests(batch_id)} field "
+        f"{line_key!r}: {reason[:200]}); it was not run"
+    )
+    line = error_line(batch_id, number, custom_id, "internal_error", message)
+    return Outcome(False, line, {})
+
+
+def run_request(
+    batch_id: str, line_key: str, precomputed: Outcome | BaseException | None = None
+) -> dict:
+    """Run one line of a batch and store its result or error line.
+
+    `precomputed` is what a batch computed for the line (worker.rqbatch, through
+    SafeJob): stored instead of running the line, or raised when an exception.
+    Returns a small summary (stored by RQ only briefly). Raises on unexpected errors,
+    so RQ retries the job; the last failure becomes an error line in on_job_failure.
+    """
+    ctx = get_context()
+    conn, keys = ctx.conn, ctx.keys
+    if isinstance(precomputed, BaseException):
+        raise precomputed  # e.g. the job's timeout, met while it ran in a batch
+    request = read_request(ctx, batch_id, line_key)
+    job = request.line
+    if request.answered:
         return {"stored": False, "reason": "already has a line"}
-    if record is None:
+    if request.unreadable is not None:
+        outcome = _unreadable(ctx, batch_id, line_key, request.unreadable)
+        log.error("%s %s: %s", batch_id, line_key, outcome.line["error"]["message"])
+    elif job is None:
         log.warning("batch %s has no request %s (deleted?): nothing to do", batch_id, line_key)
         return {"stored": False, "reason": "no such request"}
-    job = JobLine.from_record(json.loads(record))
-    if cancelled:
+    elif request.cancelled:
         outcome = failure(batch_id, job, "cancelled", "the batch was cancelled before it started")
     elif job.model != ctx.alias:
         outcome = failure(
@@ -91,7 +130,9 @@ def run_request(batch_id: str, line_key: str) -> dict:
         )
     else:
         conn.hsetnx(keys.batch(batch_id), "started_at", f"{time.time():.3f}")
-        outcome = ready if ready is not None else execute(ctx.pair, ctx.alias, batch_id, job)
+        outcome = (
+            precomputed if precomputed is not None else execute(ctx.pair, ctx.alias, batch_id, job)
+        )
     stored = store.store_line(
         conn,
         keys,
@@ -103,6 +144,8 @@ def run_request(batch_id: str, line_key: str) -> dict:
         worker=ctx.worker_name,
         ttl_s=ctx.ttl_s,
     )
+    if job is None:
+        return {"stored": stored, "ok": False}
     code = None if outcome.ok else outcome.line["error"]["code"]
     log.info(
         "%s line %d (%s): %s%s",

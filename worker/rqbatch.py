@@ -5,8 +5,9 @@ The worker takes its first job as usual, then claims more from the same queue
 claimed job gets an RQ execution at once, so it sits in the started registry
 with a heartbeat like any running job: if this process dies, the reaper of
 another worker puts the job back. Each finished line is handed to RQ's own
-`perform_job` as a precomputed outcome, so success, failure callbacks, retries
-and result storage go through exactly the same path as a single job.
+`perform_job` as a precomputed outcome (set on the job as `SafeJob.precomputed` right
+before, and given to run_request as an argument), so success, failure callbacks,
+retries and result storage go through exactly the same path as a single job.
 
 Faults: a job past its timeout leaves the batch and fails with RQ's timeout
 exception (retried like any timeout); an unexpected engine error runs the
@@ -16,19 +17,18 @@ signal puts every unfinished claimed job back at the front of the queue.
 
 from __future__ import annotations
 
-import json
 import logging
 import threading
 import time
 
-from rq.job import Job
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 
 from jobstore.jobfile import JobLine
+from worker import rqcompat
 from worker.batching import run_lines
-from worker.jobs import get_context
-from worker.rqworker import _Heartbeat, vet
+from worker.guard import Heartbeat, SafeJob, vet
+from worker.jobs import get_context, read_request
 
 log = logging.getLogger("specfleet.worker")
 
@@ -36,7 +36,7 @@ log = logging.getLogger("specfleet.worker")
 class _Claimed:
     """One claimed job: its RQ execution and, once read, its line."""
 
-    def __init__(self, job: Job, execution, line: JobLine | None):
+    def __init__(self, job: SafeJob, execution, line: JobLine | None):
         self.job, self.execution, self.line = job, execution, line
         self.deadline = time.monotonic() + (job.timeout or 180)
 
@@ -54,7 +54,7 @@ class BatchSession:
         self.peak = 0
 
     # -- claiming ------------------------------------------------------------------
-    def _claim(self, job: Job) -> _Claimed | None:
+    def _claim(self, job: SafeJob) -> _Claimed | None:
         """Give a vetted job its execution; None if it needs no engine (performed now)."""
         execution = self.worker.prepare_execution(job)
         self.worker.prepare_job_execution(job, remove_from_intermediate_queue=True)
@@ -68,27 +68,21 @@ class BatchSession:
             self.peak = max(self.peak, len(self.active))
         return claimed
 
-    def _line_for(self, job: Job) -> JobLine | None:
+    def _line_for(self, job: SafeJob) -> JobLine | None:
+        """The line to decode, or None when the job needs no engine: already answered,
+        cancelled, deleted, for another model, or a request that cannot be read."""
         ctx = get_context()
-        batch_id, line_key = job.args
-        conn, keys = ctx.conn, ctx.keys
-        with conn.pipeline(transaction=False) as pipe:
-            pipe.hexists(keys.results(batch_id), line_key)
-            pipe.hexists(keys.errors(batch_id), line_key)
-            pipe.hget(keys.requests(batch_id), line_key)
-            pipe.hget(keys.batch(batch_id), "cancelled")
-            has_result, has_error, record, cancelled = pipe.execute()
-        if has_result or has_error or record is None or cancelled:
+        request = read_request(ctx, *job.args)
+        if request.answered or request.cancelled or request.line is None:
             return None
-        line = JobLine.from_record(json.loads(record))
-        return line if line.model == ctx.alias else None
+        return request.line if request.line.model == ctx.alias else None
 
-    def _next_jobs(self, first: Job):
+    def _next_jobs(self, first: SafeJob):
         """Lines for the engine: the first job's, then more while the queue has them."""
         claimed = self._claim(first)
         if claimed is not None:
             yield claimed
-        while not self.worker._stop_requested:
+        while not rqcompat.stop_requested(self.worker):
             if self.limit is not None and self.taken >= self.limit:
                 return
             try:
@@ -117,7 +111,7 @@ class BatchSession:
                 yield claimed
 
     # -- running -------------------------------------------------------------------
-    def run(self, first: Job) -> None:
+    def run(self, first: SafeJob) -> None:
         """Decode the first job and every job claimed after it; return when all are done."""
         ctx = get_context()
         by_line: dict[int, _Claimed] = {}  # id(line object) -> its claimed job
@@ -130,7 +124,7 @@ class BatchSession:
         def expired(line: JobLine) -> bool:
             return time.monotonic() > by_line[id(line)].deadline
 
-        with _Heartbeat(self.worker, self.running):
+        with Heartbeat(self.worker, self.running):
             try:
                 for line, outcome in run_lines(
                     ctx.pair, ctx.alias, lines(), self.max_batch, expired
@@ -140,15 +134,14 @@ class BatchSession:
                         outcome = JobTimeoutException(
                             f"Task exceeded maximum timeout value ({claimed.job.timeout} seconds)"
                         )
-                    ctx.precomputed[tuple(claimed.job.args)] = outcome
-                    self._perform(claimed)
+                    self._perform(claimed, outcome)
             except Exception:
                 log.exception("batched run failed; running its remaining lines one by one")
                 for claimed in list(self.active.values()):
                     self._perform(claimed)
             except BaseException as stop:  # a second stop signal: give every job back
                 for claimed in list(self.active.values()):
-                    self.worker._put_back(claimed.job, self.queue, claimed.execution)
+                    self.worker.put_back(claimed.job, self.queue, claimed.execution)
                     self._forget(claimed)
                 signum = getattr(stop, "signum", None)
                 if signum is not None:
@@ -161,7 +154,10 @@ class BatchSession:
         with self._lock:
             return [(c.job, c.execution) for c in self.active.values()]
 
-    def _perform(self, claimed: _Claimed) -> None:
+    def _perform(self, claimed: _Claimed, outcome=None) -> None:
+        """Let RQ perform the job: with `outcome` (what the batch computed for it, or an
+        exception to raise), run_request stores that instead of running the line."""
+        claimed.job.precomputed = outcome
         try:
             self.worker.perform_job(claimed.job, self.queue, claimed.execution)
         finally:  # also when a stop signal ended it: it was put back by the worker
@@ -170,4 +166,3 @@ class BatchSession:
     def _forget(self, claimed: _Claimed) -> None:
         with self._lock:
             self.active.pop(claimed.job.id, None)
-        get_context().precomputed.pop(tuple(claimed.job.args), None)

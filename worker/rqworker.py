@@ -3,11 +3,11 @@
 `SpecWorker` is an RQ `SimpleWorker` (no fork per job: the pair stays warm, and
 forking after Metal is initialised crashes on macOS) with these changes:
 
-- Vetting: before anything of a job is executed, its payload must be JSON naming
-  `worker.jobs.run_request` with (batch id, line key) arguments and no callbacks but
-  ours. Anything else is refused: logged, moved to the failed registry with the
-  reason, and reported in `P:refused`. `SafeJob` makes sure RQ itself never imports a
-  function or callback a job names, even during registry clean-up.
+- Vetting (worker.guard): before anything of a job is executed, its payload must be
+  JSON naming `worker.jobs.run_request` with (batch id, line key) arguments and no
+  callbacks but ours. Anything else is refused: logged, moved to the failed registry
+  with the reason, and reported in `P:refused`. `SafeJob` makes sure RQ itself never
+  imports a function or callback a job names, even during registry clean-up.
 - Heartbeats: a thread refreshes the job's liveness every HEARTBEAT_INTERVAL_S while
   it runs, and liveness lasts HEARTBEAT_TTL_S, so a long job is not declared
   abandoned and a dead worker's job is noticed within about HEARTBEAT_TTL_S.
@@ -17,8 +17,13 @@ forking after Metal is initialised crashes on macOS) with these changes:
   is busy.
 - Signals: the first SIGTERM/SIGINT finishes the current job, then exits 0; a second
   one stops now and puts the job back at the front of its queue (retries untouched)
-  for another worker, exiting 128 + the signal number. While Redis is unreachable, a
-  stop signal to an idle worker (or a second one) ends the wait for it.
+  for another worker, exiting 128 + the signal number. While Redis is unreachable (or
+  full: worker.redisfull), a stop signal to an idle worker (or a second one) ends the
+  wait for it.
+- A job run again after its worker was killed, or delivered twice, ends as a success
+  even when RQ still lists the dead run (rqcompat.forget_dead_executions).
+
+RQ private names are used through worker.rqcompat only; --batch N is worker.rqbatch.
 """
 
 from __future__ import annotations
@@ -27,11 +32,10 @@ import json
 import logging
 import os
 import signal
-import threading
 import time
-from collections.abc import Callable
 
 from rq import SimpleWorker
+from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.timeouts import BaseDeathPenalty
@@ -39,70 +43,13 @@ from rq.worker import WorkerStatus
 
 from jobstore import config
 from jobstore.connection import ReconnectingRetry
-from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION
+from worker import rqcompat
+from worker.guard import ColdShutdown, Heartbeat, SafeJob, vet
+from worker.rqbatch import BatchSession
+
+__all__ = ["ColdShutdown", "SafeJob", "SpecWorker", "vet"]
 
 log = logging.getLogger("specfleet.worker")
-
-
-class ColdShutdown(BaseException):
-    """Raised in the main thread by a second stop signal (BaseException: jobs must not
-    catch it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by a second {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-class SafeJob(Job):
-    """A Job that resolves only this project's function and failure callback."""
-
-    @property
-    def func(self):
-        if self.func_name != JOB_FUNCTION:
-            raise RuntimeError(f"refusing to run {self.func_name!r}")
-        from worker.jobs import run_request
-
-        return run_request
-
-    @property
-    def success_callback(self):
-        return None
-
-    @property
-    def stopped_callback(self):
-        return None
-
-    @property
-    def failure_callback(self):
-        if self._failure_callback_name == FAILURE_CALLBACK:
-            from worker.jobs import on_job_failure
-
-            return on_job_failure
-        return None
-
-
-def vet(job: Job) -> str | None:
-    """Why a job must not run, or None when it is one of ours."""
-    try:
-        func, args, kwargs = job.func_name, job.args, job.kwargs
-    except Exception as exc:  # not JSON, or not an RQ payload at all
-        return f"payload is not a JSON job ({type(exc).__name__})"
-    if func != JOB_FUNCTION:
-        return f"names function {func!r}; only {JOB_FUNCTION} runs here"
-    if job._instance is not None or kwargs:
-        return "has an instance or keyword arguments; expected (batch id, line key)"
-    if not (
-        isinstance(args, list | tuple)
-        and len(args) == 2
-        and all(isinstance(a, str) for a in args)
-        and config.ID_PATTERN.match(args[0])
-    ):
-        return f"arguments {str(args)[:80]} are not (batch id, line key)"
-    if job._success_callback_name or job._stopped_callback_name:
-        return "names a success or stopped callback"
-    if job._failure_callback_name not in (None, FAILURE_CALLBACK):
-        return f"names failure callback {job._failure_callback_name!r}"
-    return None
 
 
 class _NoDeathPenalty(BaseDeathPenalty):
@@ -116,37 +63,7 @@ class _NoDeathPenalty(BaseDeathPenalty):
         pass
 
 
-class _Heartbeat:
-    """Refreshes running jobs' liveness from a side thread; `running()` lists the
-    (job, execution) pairs to keep alive (one, or a batch's)."""
-
-    def __init__(self, worker: SpecWorker, running: Callable[[], list]):
-        self._worker, self._running = worker, running
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
-
-    def __enter__(self):
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join(timeout=5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._worker.heartbeat_interval):
-            for job, execution in self._running():
-                try:
-                    self._worker.maintain_heartbeats(job, execution)
-                except Exception as exc:  # Redis hiccup: try again next interval
-                    log.warning("heartbeat for job %s failed: %s", job.id, exc)
-            try:
-                self._worker.reap()
-            except Exception as exc:
-                log.warning("reaping from the heartbeat thread failed: %s", exc)
-
-
-class SpecWorker(SimpleWorker):
+class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
     """See the module docstring. Construct with `job_class=SafeJob` and the JSON
     serializer (worker.cli does)."""
 
@@ -175,8 +92,6 @@ class SpecWorker(SimpleWorker):
             self.refuse(job.id, queue, reason)
             return
         if self.max_batch > 1:  # several lines decoded together (worker.rqbatch)
-            from worker.rqbatch import BatchSession
-
             session = BatchSession(self, queue, self.max_batch, limit=self.jobs_left)
             session.run(job)
             self.set_state(WorkerStatus.IDLE)
@@ -184,14 +99,14 @@ class SpecWorker(SimpleWorker):
                 self.jobs_left -= session.taken
                 if self.jobs_left <= 0:
                     log.info("worker %s: --max-jobs reached, stopping", self.name)
-                    self._stop_requested = True
+                    rqcompat.stop_after_this(self)
         else:
 
             def running():
                 execution = self.execution
                 return [(job, execution)] if execution is not None else []
 
-            with _Heartbeat(self, running):
+            with Heartbeat(self, running):
                 super().execute_job(job, queue)
         self.reap()
 
@@ -202,8 +117,8 @@ class SpecWorker(SimpleWorker):
             except Exception as exc:
                 job_id = getattr(exc, "job_id", None)
                 queue = getattr(exc, "queue", None)
-                if job_id is None or queue is None:
-                    raise
+                if job_id is None or queue is None or isinstance(exc, StopRequested):
+                    raise  # a stop signal met RQ reading a job: not the job's fault
                 # A job hash RQ cannot even read: refuse it and keep serving.
                 self.refuse(job_id, queue, f"unreadable job ({type(exc).__name__}: {exc})")
 
@@ -229,6 +144,21 @@ class SpecWorker(SimpleWorker):
             pipe.lpush(self.refused_key, json.dumps(report))
             pipe.ltrim(self.refused_key, 0, 999)
             pipe.execute()
+
+    def handle_job_success(self, job: Job, queue, started_job_registry, execution) -> None:
+        # A run after a killed one, or the slower of two deliveries, must end as the
+        # success it is: the line is stored once whichever run stored it.
+        if not self.connection.hexists(job.key, "status"):
+            # The other delivery finished first and deleted the job (result_ttl 0):
+            # RQ's bookkeeping would fail on the missing job; only ours is left to clean.
+            with self.connection.pipeline() as pipe:
+                self.cleanup_execution(job, pipe, execution)
+                pipe.delete(job.key)  # a late heartbeat may have written it again
+                pipe.execute()
+            log.info("job %s was finished by another delivery as well", job.id)
+            return
+        rqcompat.forget_dead_executions(job)  # a dead run's leftovers
+        super().handle_job_success(job, queue, started_job_registry, execution)
 
     # -- liveness ---------------------------------------------------------------------
 
@@ -299,16 +229,15 @@ class SpecWorker(SimpleWorker):
         self.cold_signum = signum
         raise ColdShutdown(signum)
 
-    def _finalize_failure(self, job, queue, execution, exc_info) -> None:
-        if exc_info[0] is ColdShutdown:
-            self._put_back(job, queue, execution)
+    def before_failure(self, job: Job, queue, execution, exc_info) -> None:
+        if exc_info[0] is ColdShutdown:  # not the job's failure: another worker runs it
+            self.put_back(job, queue, execution)
             raise SystemExit(128 + exc_info[1].signum)
-        super()._finalize_failure(job, queue, execution, exc_info)
 
-    def _put_back(self, job: Job, queue, execution) -> None:
+    def put_back(self, job: Job, queue, execution) -> None:
         """Return an interrupted job to the front of its queue for another worker."""
         with self.connection.pipeline() as pipe:
             self.cleanup_execution(job, pipe, execution)
-            queue._enqueue_job(job, pipeline=pipe, at_front=True)
+            rqcompat.enqueue_at_front(queue, job, pipe)
             pipe.execute()
         log.warning("job %s put back on %s (pid %d stopping)", job.id, queue.name, os.getpid())

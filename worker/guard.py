@@ -1,0 +1,131 @@
+"""What both RQ workers (worker.rqworker, worker.rqbatch) share: running only our job,
+and keeping running jobs alive.
+
+- `SafeJob` makes sure RQ itself never imports a function or callback a job names,
+  even during registry clean-up; it also carries what a batch computed for the job to
+  RQ's `perform_job` (`precomputed`), so that hand-off is visible where it happens.
+- `vet` says why a payload must not run: it must be JSON naming
+  `worker.jobs.run_request` with (batch id, line key) arguments and no callbacks but ours.
+- `Heartbeat` refreshes running jobs' liveness from a side thread and reaps abandoned
+  jobs of the queue while the worker is busy.
+- `ColdShutdown` is what a second stop signal raises in the main thread.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from rq.job import Job
+
+from jobstore import config
+from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION
+from worker import rqcompat
+
+if TYPE_CHECKING:
+    from worker.execute import Outcome
+
+log = logging.getLogger("specfleet.worker")
+
+
+class ColdShutdown(BaseException):
+    """Raised in the main thread by a second stop signal (BaseException: jobs must not
+    catch it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"stopped by a second {signal.Signals(signum).name}")
+        self.signum = signum
+
+
+class SafeJob(Job):
+    """A Job that resolves only this project's function and failure callback."""
+
+    #: What a batch computed for this job (an Outcome, or an exception to raise), given
+    #: to run_request when RQ performs the job, in place of running the line again.
+    precomputed: Outcome | BaseException | None = None
+
+    @property
+    def func(self):
+        if self.func_name != JOB_FUNCTION:
+            raise RuntimeError(f"refusing to run {self.func_name!r}")
+        from worker.jobs import run_request
+
+        if self.precomputed is not None:
+            return functools.partial(run_request, precomputed=self.precomputed)
+        return run_request
+
+    @property
+    def success_callback(self):
+        return None
+
+    @property
+    def stopped_callback(self):
+        return None
+
+    @property
+    def failure_callback(self):
+        if rqcompat.callback_names(self).failure == FAILURE_CALLBACK:
+            from worker.jobs import on_job_failure
+
+            return on_job_failure
+        return None
+
+
+def vet(job: Job) -> str | None:
+    """Why a job must not run, or None when it is one of ours."""
+    try:
+        func, args, kwargs = job.func_name, job.args, job.kwargs
+    except Exception as exc:  # not JSON, or not an RQ payload at all
+        return f"payload is not a JSON job ({type(exc).__name__})"
+    if func != JOB_FUNCTION:
+        return f"names function {func!r}; only {JOB_FUNCTION} runs here"
+    if rqcompat.has_instance(job) or kwargs:
+        return "has an instance or keyword arguments; expected (batch id, line key)"
+    if not (
+        isinstance(args, list | tuple)
+        and len(args) == 2
+        and all(isinstance(a, str) for a in args)
+        and config.ID_PATTERN.match(args[0])
+    ):
+        return f"arguments {str(args)[:80]} are not (batch id, line key)"
+    names = rqcompat.callback_names(job)
+    if names.success or names.stopped:
+        return "names a success or stopped callback"
+    if names.failure not in (None, FAILURE_CALLBACK):
+        return f"names failure callback {names.failure!r}"
+    return None
+
+
+class Heartbeat:
+    """Refreshes running jobs' liveness from a side thread while the block runs;
+    `running()` lists the (job, execution) pairs to keep alive (one, or a batch's).
+    `worker` is a SpecWorker (maintain_heartbeats, reap, heartbeat_interval)."""
+
+    def __init__(self, worker: Any, running: Callable[[], list]):
+        self._worker, self._running = worker, running
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def __enter__(self):
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._worker.heartbeat_interval):
+            for job, execution in self._running():
+                try:
+                    self._worker.maintain_heartbeats(job, execution)
+                except Exception as exc:  # Redis hiccup: try again next interval
+                    log.warning("heartbeat for job %s failed: %s", job.id, exc)
+            try:
+                self._worker.reap()
+            except Exception as exc:
+                log.warning("reaping from the heartbeat thread failed: %s", exc)

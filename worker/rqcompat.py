@@ -1,0 +1,94 @@
+"""What the worker relies on in RQ beyond its public API, in one place (rq 3.0.x).
+
+Every use of an RQ private name, and every repair of RQ's own bookkeeping, is here, so
+an RQ upgrade is checked at one module: `PRIVATE_NAMES` lists them, and
+tests/test_worker_reliability.py asserts that each still exists with the parameters
+used. pyproject.toml pins rq to the range tested.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from rq.executions import Execution
+from rq.job import Job
+from rq.queue import Queue
+from rq.worker import BaseWorker
+
+#: (owner, name, parameters it is called with; None: an instance attribute)
+PRIVATE_NAMES: list[tuple[type, str, tuple[str, ...] | None]] = [
+    (Job, "_instance", None),
+    (Job, "_success_callback_name", None),
+    (Job, "_failure_callback_name", None),
+    (Job, "_stopped_callback_name", None),
+    (Queue, "_enqueue_job", ("self", "job", "pipeline", "at_front")),
+    (BaseWorker, "_finalize_failure", ("self", "job", "queue", "execution", "exc_info")),
+    (BaseWorker, "_stop_requested", None),
+]
+
+
+class CallbackNames(NamedTuple):
+    success: str | None
+    failure: str | None
+    stopped: str | None
+
+
+def callback_names(job: Job) -> CallbackNames:
+    """The callbacks a job names, read without importing them."""
+    return CallbackNames(
+        job._success_callback_name, job._failure_callback_name, job._stopped_callback_name
+    )
+
+
+def has_instance(job: Job) -> bool:
+    """Whether the job names a method of an instance (read after its payload is loaded)."""
+    return job._instance is not None
+
+
+def enqueue_at_front(queue: Queue, job: Job, pipeline) -> None:
+    """Put an interrupted job back at the front of its queue, retries untouched."""
+    queue._enqueue_job(job, pipeline=pipeline, at_front=True)
+
+
+def stop_requested(worker: BaseWorker) -> bool:
+    """Whether the worker was asked to stop after its current work."""
+    return worker._stop_requested
+
+
+def stop_after_this(worker: BaseWorker) -> None:
+    """Make RQ's work loop end after the current job, as a first stop signal does."""
+    worker._stop_requested = True
+
+
+class BeforeFailureHook:
+    """Mixin for an RQ worker class: `before_failure(job, queue, execution, exc_info)`
+    runs before RQ records a job's exception (failure callback, retry, failed registry)
+    and may raise to skip all of that. RQ has no public hook at that point."""
+
+    def before_failure(self, job: Job, queue: Queue, execution, exc_info) -> None:
+        pass
+
+    def _finalize_failure(self, job, queue, execution, exc_info) -> None:
+        self.before_failure(job, queue, execution, exc_info)
+        super()._finalize_failure(job, queue, execution, exc_info)
+
+
+def forget_dead_executions(job: Job) -> int:
+    """Drop the job's runs whose execution record is gone; returns how many.
+
+    RQ keeps an execution's id in the job's execution registry for a minute after the
+    record itself expired (a killed or frozen worker's run), or with only a heartbeat
+    field when a late heartbeat wrote it again; deleting the finished job
+    (`result_ttl=0`) then fails with `ValueError: Execution ... not found in Redis`,
+    and a line that was stored is reported failed and retried.
+    """
+    conn, registry = job.connection, job.execution_registry
+    runs = [Execution(id=i, job_id=job.id, connection=conn) for i in registry.get_execution_ids()]
+    dead = [run for run in runs if not conn.hexists(run.key, "created_at")]
+    if dead:
+        with conn.pipeline() as pipe:
+            for execution in dead:
+                registry.remove(execution, pipeline=pipe)
+                pipe.delete(execution.key)
+            pipe.execute()
+    return len(dead)
