@@ -119,6 +119,26 @@ def measure_pass_costs(model, sizes=PASS_SIZES, reps: int = 2, context: int = 32
     return PassCosts(points)
 
 
+def measure_block_costs(drafter, target, sizes=(1, 2, 4, 8, 16, 32), reps: int = 2) -> PassCosts:
+    """Time one block drafter pass for b rows, each with a short context of features."""
+    from mlx_lm.models.cache import make_prompt_cache
+
+    with drafter.capture(target) as cap:
+        target(mx.array([[1] * 32]), cache=make_prompt_cache(target))
+        features = cap.features
+    points = {}
+    for b in sizes:
+        state = drafter.new_state(b)
+        state.extend(mx.broadcast_to(features, (b, *features.shape[1:])), [32] * b)
+        best = float("inf")
+        for _ in range(reps + 1):
+            t0 = time.perf_counter()
+            mx.eval(state.block_logits([1] * b))
+            best = min(best, time.perf_counter() - t0)
+        points[b] = best
+    return PassCosts(points)
+
+
 @dataclass
 class CostModel:
     """Per-request costs in decode-step units: a draft step, and verify(k) for k drafts."""
@@ -241,20 +261,30 @@ class DraftController:
     probe_interval: int = PROBE_FIRST
     steps_since_probe: int = 0
     probing: bool = False  # the last choose_batch_k was a probe
+    block: bool = False  # a block drafter (DFlash): any number of drafts costs one pass
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
         on_gpu = mx.default_device() == mx.gpu
         t_params = pair.info()["target_parameters"]
         d_params = pair.info()["draft_parameters"]
+        dflash = getattr(pair, "dflash", None)
+        if dflash is not None:
+            d_params = dflash.info().get("parameters", t_params // 10)
         static = static_costs(t_params, d_params, on_gpu)
         if calibrate:
             target = measure_pass_costs(pair.target)
-            draft = measure_pass_costs(pair.draft, sizes=PASS_SIZES[:10]) if pair.draft else None
+            if dflash is not None:
+                draft = measure_block_costs(dflash, pair.target)
+            else:
+                draft = (
+                    measure_pass_costs(pair.draft, sizes=PASS_SIZES[:10]) if pair.draft else None
+                )
         else:
             target = static_pass_costs(static.verify[1] - 1.0)
-            draft = PassCosts({1: static.draft_step}) if pair.draft is not None else None
-        return cls(target=target, draft=draft, static=static)
+            has_draft = pair.draft is not None or dflash is not None
+            draft = PassCosts({1: static.draft_step}) if has_draft else None
+        return cls(target=target, draft=draft, static=static, block=dflash is not None)
 
     def plan(self, drafter: str, greedy: bool, k_max: int = MAX_AUTO_DRAFT) -> DraftPlan:
         """Start the per-request state of one "auto" request.
@@ -283,7 +313,7 @@ class DraftController:
         then one target pass over rows * width positions."""
         cost = self.target(rows * width)
         if depth and self.draft is not None and drafted_rows:
-            cost += depth * self.draft(drafted_rows)
+            cost += (1 if self.block else depth) * self.draft(drafted_rows)
         return cost
 
     def _rate(self, auto, fixed, k, rows, drafted_rows, perfect=False) -> float:

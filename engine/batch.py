@@ -31,7 +31,7 @@ import mlx.core as mx
 from . import core, sampling
 from .adaptive import MAX_AUTO_DRAFT, AutoRow, FixedRow
 from .core import MAX_DRAFT_TOKENS, Step
-from .drafters import LookupIndex, ModelProposer, prefill_rows
+from .drafters import DFlashProposer, LookupIndex, ModelProposer, prefill_rows
 from .ragged import make_ragged_cache
 
 COMPACT_WASTE = 0.5
@@ -81,7 +81,9 @@ class BatchDecoder:
         self.rows: list[_Row] = []
         self.t_rows, self.t_cache = make_ragged_cache(pair.target, 0)
         self.proposer = None
-        if pair.draft is not None:
+        if getattr(pair, "dflash", None) is not None:
+            self.proposer = DFlashProposer(pair.dflash, pair.target_vocab)
+        elif pair.draft is not None:
             self.proposer = ModelProposer(pair.draft, pair.draft_vocab, pair.target_vocab)
         self._joining: list[tuple[_Row, list[int]]] = []  # added, not yet prefilled
         self.controller = pair.controller
@@ -106,7 +108,7 @@ class BatchDecoder:
         time in one batched pass, at the start of the next step."""
         if not prompt_ids:
             raise core.InvalidRequestError("the prompt is empty: give at least one token")
-        if drafter == "model" and self.proposer is None:
+        if drafter == "model" and self.proposer is None:  # no draft model, no DFlash
             raise core.InvalidRequestError(
                 "drafter 'model' needs a draft model, but this worker has none; "
                 "use drafter 'lookup' or 'none'"
@@ -121,13 +123,24 @@ class BatchDecoder:
 
     def _admit_joining(self) -> None:
         joining, self._joining = self._joining, []
-        rows, _ = prefill_rows(self.pair.target, [ids[:-1] for _, ids in joining])
+        prompts = [ids[:-1] for _, ids in joining]
+        if self.proposer is not None and self.proposer.needs_features:
+            # A block drafter reads the target's features: every row, drafted or not,
+            # so its context rows stay the decoder's rows.
+            state = self.proposer.drafter.new_state(len(joining))
+            with self.proposer.capture(self.pair.target) as cap:
+                rows, _ = prefill_rows(
+                    self.pair.target, prompts, lambda keep: state.extend(cap.features, keep)
+                )
+            self.proposer.admit_state(state, [(r.key, r.params, r.seed) for r, _ in joining])
+        else:
+            rows, _ = prefill_rows(self.pair.target, prompts)
+            if self.proposer is not None:
+                self.proposer.admit(
+                    [(r.key, ids, r.params, r.seed) for r, ids in joining if r.drafter == "model"]
+                )
         self.t_rows.append(rows)
         self.rows += [row for row, _ in joining]
-        if self.proposer is not None:
-            self.proposer.admit(
-                [(r.key, ids, r.params, r.seed) for r, ids in joining if r.drafter == "model"]
-            )
 
     def remove(self, key) -> None:
         """Drop a finished (or cancelled) row."""
@@ -167,7 +180,7 @@ class BatchDecoder:
                 auto_rows.append(c)
                 continue
             k = row.fixed_k if row.fixed_k is not None else row.plan.choose()
-            k = min(k, budget)
+            k = min(k, budget, self._model_cap(fixed=True) if row.drafter == "model" else k)
             c.k, c.source = k, row.drafter if k else "none"
             if k and row.drafter == "lookup":
                 c.tokens = row.lookup.propose(k)
@@ -185,6 +198,13 @@ class BatchDecoder:
                     c.source, c.tokens = "none", None
         return choices
 
+    def _model_cap(self, fixed: bool = False) -> int:
+        """Most drafts the worker's draft can give a row in one step."""
+        block = getattr(self.proposer, "max_draft", None)
+        if block is not None:
+            return block
+        return MAX_DRAFT_TOKENS if fixed else MAX_AUTO_DRAFT
+
     def _free_draft(self, row: _Row, budget: int) -> list[int]:
         """The lookup proposal of a greedy auto row, where its text repeats itself."""
         if row.lookup is None:
@@ -197,6 +217,9 @@ class BatchDecoder:
         """One draft + verify step for every row: {row key: Step}."""
         if self._joining:
             self._admit_joining()
+        # The target never rolls back past this step (advance keeps only what passed), so
+        # recurrent layers may forget the passes before it.
+        self.t_rows.checkpoint()
         choices = self._choose()
         t0 = time.perf_counter()
         drafts, q = self._draft(choices)
@@ -206,13 +229,22 @@ class BatchDecoder:
             [r.target_pending] + d + [0] * (width - 1 - len(d))
             for r, d in zip(self.rows, drafts, strict=True)
         ]
-        logits = self.pair.target(mx.array(inputs), cache=self.t_cache)
+        features = None
+        if self.proposer is not None and self.proposer.needs_features:
+            with self.proposer.capture(self.pair.target) as cap:
+                logits = self.pair.target(mx.array(inputs), cache=self.t_cache)
+            features = cap.features
+        else:
+            logits = self.pair.target(mx.array(inputs), cache=self.t_cache)
         results = self._verify(logits, drafts, q)
         t2 = time.perf_counter()
-        self.t_rows.advance(width, [1 + n for n, _ in results])
+        keep = [1 + n for n, _ in results]
+        self.t_rows.advance(width, keep)
+        if features is not None:
+            self.proposer.observe_target(features, keep)
         steps = self._finish(choices, drafts, results, t1 - t0, t2 - t1)
         self._observe(choices, drafts, results, width, t1 - t0, t2 - t1)
-        for rows in (self.t_rows, self.proposer.rows if self.proposer else None):
+        for rows in (self.t_rows, getattr(self.proposer, "rows", None)):
             if rows is not None and rows.waste() > COMPACT_WASTE:
                 rows.compact()
         return steps
@@ -224,7 +256,11 @@ class BatchDecoder:
             return drafts, q
         want = {r.key: c.k for r, c in zip(self.rows, choices, strict=True) if c.source == "model"}
         positions = {r.key: r.generated for r in self.rows}
-        by_key, laws = self.proposer.propose(want, positions)
+        if self.proposer.block:
+            last = {r.key: r.target_pending for r in self.rows}
+            by_key, laws = self.proposer.propose(want, positions, last)
+        else:
+            by_key, laws = self.proposer.propose(want, positions)
         for i, row in enumerate(self.rows):
             if row.key in by_key:
                 drafts[i] = by_key[row.key]

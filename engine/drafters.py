@@ -20,6 +20,9 @@ from . import sampling
 from .ragged import make_ragged_cache
 from .sampling import DRAW_DRAFT
 
+# Squeeze holes out of a DFlash context every this many steps (it checks its waste).
+DFLASH_COMPACT_EVERY = 32
+
 DRAFTERS = ("model", "lookup", "none")
 PREFILL_CHUNK = 512
 
@@ -57,16 +60,20 @@ class LookupIndex:
         return []
 
 
-def prefill_rows(model, prompts: list[list[int]]):
+def prefill_rows(model, prompts: list[list[int]], after_pass=None):
     """A ragged cache holding several prompts, filled in batched passes (right-padded;
-    pads masked out). Returns (rows, layer caches)."""
+    pads masked out). `after_pass(keep)`, if given, runs after each pass with how many
+    positions of each row were real. Returns (rows, layer caches)."""
     rows, cache = make_ragged_cache(model, len(prompts))
     longest = max(map(len, prompts), default=0)
     for start in range(0, longest, PREFILL_CHUNK):
         width = min(PREFILL_CHUNK, longest - start)
         chunks = [p[start : start + width] for p in prompts]
         model(mx.array([c + [0] * (width - len(c)) for c in chunks]), cache=cache)
-        rows.advance(width, [len(c) for c in chunks])
+        keep = [len(c) for c in chunks]
+        rows.advance(width, keep)
+        if after_pass is not None:
+            after_pass(keep)
         mx.eval([c.state for c in cache])
     return rows, cache
 
@@ -84,10 +91,12 @@ class _Member:
 
 
 class ModelProposer:
-    """Batched drafting with a draft LM. Rows join (`admit`), leave (`remove`), get
+    """Batched drafting with a draft LM (`needs_features` False: it reads only tokens). Rows join (`admit`), leave (`remove`), get
     `propose(want)` drafts, then `commit` tells it what the target accepted."""
 
     kind = "model"
+    needs_features = False
+    block = False  # K drafts cost K draft passes
 
     def __init__(self, model, draft_vocab: int, target_vocab: int):
         self.model = model
@@ -203,3 +212,105 @@ class ModelProposer:
 
     def pending(self, key) -> list[int]:
         return next(m.pending for m in self.members if m.key == key)
+
+
+class DFlashProposer:
+    """Batched drafting with a DFlash block drafter: one drafter pass per step proposes
+    up to block_size - 1 tokens for every row, read off the target's own hidden states.
+
+    Its context (the target features of every token the target has processed) has one
+    row per decoder row, in the decoder's order: the decoder feeds it the features of
+    each prefill and verify pass (`needs_features`), keeping per row only the accepted
+    positions, so a rejection needs no rollback here. Block position j's law, given the
+    context up to the block, is the q of speculative sampling for the j-th draft.
+    """
+
+    kind = "dflash"
+    needs_features = True
+    block = True  # any K costs one drafter pass
+
+    def __init__(self, drafter, target_vocab: int):
+        self.drafter = drafter
+        self.target_vocab = target_vocab
+        self.state = drafter.new_state(0)
+        self.keys: list = []  # decoder row keys, in state row order
+        self.params: dict = {}
+        self.seeds: dict = {}
+        self.depth = self.depth_run = 0
+        self.max_draft = drafter.block_size - 1
+        self._steps = 0
+
+    @property
+    def members(self) -> list:
+        return self.keys
+
+    def capture(self, target):
+        """A context manager: target forwards inside it record the features."""
+        return self.drafter.capture(target)
+
+    def admit_state(self, state, rows: list[tuple[object, sampling.SamplingParams, int]]) -> None:
+        """Rows (key, params, seed) joining, with the context their prefill passes built."""
+        self.state.append(state)
+        for key, params, seed in rows:
+            self.keys.append(key)
+            self.params[key], self.seeds[key] = params, seed
+
+    def remove(self, keys: set) -> None:
+        keep = [i for i, k in enumerate(self.keys) if k not in keys]
+        if len(keep) != len(self.keys):
+            self.state.select(keep)
+            self.keys = [self.keys[i] for i in keep]
+            for k in keys:
+                self.params.pop(k, None)
+                self.seeds.pop(k, None)
+
+    def observe_target(self, features, keep: list[int]) -> None:
+        """After a target pass over every row: row i's first keep[i] positions are real."""
+        self.state.extend(features, keep)
+        self._steps += 1
+        if self._steps % DFLASH_COMPACT_EVERY == 0 and self.state.used:
+            real = sum(self.state.lengths())
+            if real < 0.5 * self.state.batch * self.state.used:
+                self.state.compact()
+
+    def propose(self, want: dict, positions: dict, last: dict) -> tuple[dict, dict]:
+        """Draft want[key] tokens per row from one block pass; `last` maps each key to
+        the row's newest (pending) token. Laws only for sampled rows."""
+        depth = min(max(want.values(), default=0), self.max_draft)
+        self.depth = self.depth_run = 1 if depth else 0
+        if depth == 0:
+            return {}, {}
+        logits = self.drafter_logits([last[k] for k in self.keys])[:, :depth]
+        greedy = mx.argmax(logits, axis=-1).tolist()
+        drafts, q = {}, {}
+        for i, key in enumerate(self.keys):
+            k = min(want.get(key, 0), depth)
+            if not k:
+                continue
+            params = self.params[key]
+            if params.greedy:
+                drafts[key] = greedy[i][:k]
+                continue
+            law = sampling.probs(logits[i, :k], params)  # (k, V)
+            seed, start = self.seeds[key], positions[key]
+            noise = mx.concatenate(
+                [
+                    sampling.gumbel_rows(seed, start + j, 1, law.shape[-1], DRAW_DRAFT)
+                    for j in range(k)
+                ]
+            )
+            drafts[key] = sampling.sample_rows(law, noise).tolist()
+            q[key] = law
+        return drafts, q
+
+    def drafter_logits(self, last_tokens: list[int]) -> mx.array:
+        return self.state.block_logits(last_tokens)
+
+    def commit(self, emitted: dict, accepted: dict) -> None:
+        self.depth = 0
+
+    def lengths(self) -> dict:
+        return dict(zip(self.keys, self.state.lengths(), strict=True))
+
+    def pending(self, key) -> list[int]:
+        return []

@@ -149,9 +149,11 @@ def check_model(model, role: str) -> Counter:
     return layer_kinds(model)
 
 
-def features(target, draft) -> Features:
-    """Features of a pair whose models passed `check_model`."""
-    drafters = DRAFTERS if draft is not None else ("lookup", "none")
+def features(target, draft, block_drafter=None) -> Features:
+    """Features of a pair whose models passed `check_model` (`block_drafter`: a DFlash
+    drafter, which serves drafter "model" and has no cache of its own kinds)."""
+    has_draft = draft is not None or block_drafter is not None
+    drafters = DRAFTERS if has_draft else ("lookup", "none")
     return Features(
         drafters=drafters,
         batching=True,

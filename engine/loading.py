@@ -13,6 +13,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from .blas import blas_info
+from .dflash import is_dflash_dir, load_dflash
 from .types import ModelLoadError, TokenizerMismatchError
 
 log = logging.getLogger("specfleet.engine")
@@ -41,6 +42,7 @@ class ModelPair:
     draft_vocab: int
     name: str
     controller: Any = field(default=None, repr=False)
+    dflash: Any = None  # an engine.dflash.DFlashDrafter when --draft names one (draft is None)
 
     def info(self) -> dict:
         """Versions, device, BLAS and model facts, for logs and `spec-doctor`."""
@@ -66,7 +68,7 @@ class ModelPair:
         (a families.Features)."""
         from .families import features
 
-        return features(self.target, self.draft)
+        return features(self.target, self.draft, self.dflash)
 
 
 def _num_params(model: nn.Module) -> int:
@@ -163,7 +165,11 @@ def load_pair(
     check_model(model, "target")
     draft_model, draft_path, draft_vocab = None, None, 0
     target_vocab = _vocab_rows(model, config)
-    if draft is not None and use_draft:
+    dflash = None
+    if draft is not None and use_draft and is_dflash_dir(draft):
+        draft_path = os.fspath(draft)
+        dflash = load_dflash(draft_path, model, config)
+    elif draft is not None and use_draft:
         draft_path = os.fspath(draft)
         draft_model, draft_tok, draft_config = _load_one(draft_path, "draft")
         check_model(draft_model, "draft")
@@ -181,6 +187,7 @@ def load_pair(
         target_vocab=target_vocab,
         draft_vocab=draft_vocab,
         name=name,
+        dflash=dflash,
     )
     from .adaptive import DraftController
 

@@ -68,10 +68,6 @@ class RaggedRows:
                 layer.forget_oldest()
         self._drop_dead_tail()
 
-    def checkpoint(self) -> None:
-        """Mark the start of a drafting round: drop_last never reaches back past it.
-        (Attention layers keep every position, so they need no snapshot.)"""
-
     def drop_last(self, counts: list[int]) -> None:
         """Mark the last counts[i] real tokens of row i as gone (a rollback)."""
         if not any(counts):

@@ -109,7 +109,8 @@ class RequestRun:
                 f"{total} exceeds the context of {pair.name} "
                 f"({pair.context_length} tokens); shorten the prompt or lower max_tokens"
             )
-        if request.drafter == "model" and pair.draft is None:
+        dflash = getattr(pair, "dflash", None) is not None
+        if request.drafter == "model" and pair.draft is None and not dflash:
             raise InvalidRequestError(
                 "drafter: 'model' needs a draft model and this engine has none; "
                 "use 'lookup' or 'none'"
@@ -123,7 +124,10 @@ class RequestRun:
         self.plan = None
         if request.num_draft_tokens == "auto" and request.drafter != "none":
             self.plan = pair.controller.plan(request.drafter, self.params.greedy)
-        self.stats = SpecStats(drafter=request.drafter)
+        # "model" is the worker's draft, whatever its kind; statistics name the kind.
+        self.stats = SpecStats(
+            drafter="dflash" if dflash and request.drafter == "model" else request.drafter
+        )
         self.stops = request.stop_strings()
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.eos = pair.tokenizer.eos_token_ids

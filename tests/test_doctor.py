@@ -92,8 +92,13 @@ def test_healthy_setup_exits_0(models, redis_url):
         "mlx",
         "memory",
         "pair",
+        "features",
         "speculation",
     ]
+    assert (
+        "OK   features: drafters model, lookup, none; batching exact; "
+        "target layers: 2 attention; draft layers: 1 attention" in res.stdout.splitlines()
+    )
     assert [status[k] for k in ("redis", "redis version", "redis maxmemory-policy")] == ["OK"] * 3
     assert (status["memory"], status["pair"]) == ("OK", "OK")
     # The private test server runs without persistence; MLX warns without OpenBLAS; random

@@ -50,8 +50,6 @@ PROMPTS = [
     "The lazy dog",
     "def f(n):\n    return n",
 ]
-# Single requests still run the old path until the one-decoder change lands there.
-OLD_SINGLE_PATH = {"gemma3_text", "qwen3_5", "lfm2", "qwen3_5_4bit"}
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
@@ -80,12 +78,8 @@ def test_batched_greedy_equals_target_only(family, max_batch):
         assert all(len(r.prompt_ids) + len(refs[i]) > 2 * WINDOW for i, r in enumerate(requests))
 
 
-def test_single_greedy_equals_target_only(family, request):
+def test_single_greedy_equals_target_only(family):
     name, pair, requests, refs = family
-    if name in OLD_SINGLE_PATH:
-        request.applymarker(
-            pytest.mark.xfail(strict=False, reason="single path not yet on the ragged cache")
-        )
     assert [engine.generate(pair, r).token_ids for r in requests] == refs
 
 

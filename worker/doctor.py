@@ -299,6 +299,15 @@ def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
         f"{info['name']}: target {info['target_parameters'] / 1e6:.3g}M parameters, "
         f"context {info['context_length']}"
     )
+    if pair.dflash is not None:
+        d = pair.dflash.info()
+        return Check(
+            "OK",
+            "pair",
+            f"{what}; draft: DFlash block drafter, block size {d['block_size']}, "
+            f"{d['parameters'] / 1e6:.3g}M parameters, reads target layers "
+            f"{', '.join(map(str, d['target_layer_ids']))}",
+        ), pair
     if pair.draft is None:
         return Check("OK", "pair", f"{what}, no draft (drafters lookup and none only)"), pair
     return Check(
@@ -318,6 +327,8 @@ def check_features(pair) -> Check:
     layers = f"target layers: {kinds(f.target_layers)}"
     if f.draft_layers:
         layers += f"; draft layers: {kinds(f.draft_layers)}"
+    if pair.dflash is not None:
+        layers += f"; draft: DFlash, block size {pair.dflash.block_size}"
     batching = "batching exact" if f.batching else "no batching"
     return Check("OK", "features", f"drafters {', '.join(f.drafters)}; {batching}; {layers}")
 
@@ -343,7 +354,7 @@ def check_speculation(pair) -> Check:
     """Acceptance and speedup over plain decoding on this machine, greedy."""
     import engine
 
-    drafter = "model" if pair.draft is not None else "lookup"
+    drafter = "model" if pair.draft is not None or pair.dflash is not None else "lookup"
     for d in (drafter, "none"):  # warm-up: first calls compile kernels and fill caches
         engine.generate(
             pair, engine.GenerationRequest(prompt=BENCH_PROMPTS[0], max_tokens=4, drafter=d)
@@ -353,7 +364,7 @@ def check_speculation(pair) -> Check:
     spec_tps, plain_tps = spec_n / spec_s, plain_n / plain_s
     speedup = spec_tps / plain_tps
     what = (
-        f"drafter {drafter}, {len(BENCH_PROMPTS)} prompts x {BENCH_TOKENS} tokens: "
+        f"drafter {stats['drafter']}, {len(BENCH_PROMPTS)} prompts x {BENCH_TOKENS} tokens: "
         f"acceptance rate {stats['draft_acceptance_rate']:.2f}, mean acceptance length "
         f"{stats['mean_acceptance_length']:.2f}, {spec_tps:.1f} tokens/s vs {plain_tps:.1f} "
         f"plain = {speedup:.2f}x"

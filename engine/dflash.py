@@ -1,0 +1,668 @@
+"""DFlash block drafters: a small model that reads target hidden states and drafts a block.
+
+A DFlash drafter (z-lab, "DFlash: Block Diffusion for Flash Speculative Decoding") has no
+embeddings and no LM head of its own: it embeds the block [last token, mask x (block-1)] with
+the target's embeddings, lets every block position attend (bidirectionally) to the block and
+to the *context*, and reads the target's LM head at the block positions. The context is the
+hidden states the target's layers `target_layer_ids` output for every token it has processed,
+concatenated, projected by `fc` + `hidden_norm`, and turned into keys and values by each
+drafter layer. Those keys and values are cached like a KV cache, so they roll back with the
+acceptance: after a verify pass the decoder appends the features of the tokens it kept.
+
+This module knows the published layout (config.json + safetensors, optionally quantized the
+way mlx-lm writes it), how to capture target features during an ordinary forward pass of an
+mlx-lm model, and a batched drafter state whose rows roll back on their own. The decoder
+decides what to do with the block logits (greedy argmax or the request's sampling law as q).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
+
+from .types import ModelLoadError
+
+ARCHITECTURE = "DFlashDraftModel"
+GROW = 256  # context slots are allocated in steps of this many positions
+
+
+@dataclass(frozen=True)
+class DFlashConfig:
+    """What a drafter's config.json says, in the names this module uses."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: tuple[int, ...]
+    num_target_layers: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_scaling: dict | None = None
+
+    @classmethod
+    def from_dict(cls, cfg: dict) -> DFlashConfig:
+        """Read a published config.json dict; raises ModelLoadError naming a missing field."""
+        dcfg = cfg.get("dflash_config") or {}
+        try:
+            block = cfg.get("block_size", dcfg.get("block_size"))
+            heads = int(cfg["num_attention_heads"])
+            hidden = int(cfg["hidden_size"])
+            return cls(
+                hidden_size=hidden,
+                num_hidden_layers=int(cfg["num_hidden_layers"]),
+                num_attention_heads=heads,
+                num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+                head_dim=int(cfg.get("head_dim") or hidden // heads),
+                intermediate_size=int(cfg["intermediate_size"]),
+                vocab_size=int(cfg["vocab_size"]),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
+                block_size=int(block),
+                mask_token_id=int(dcfg["mask_token_id"]),
+                target_layer_ids=tuple(int(i) for i in dcfg["target_layer_ids"]),
+                num_target_layers=cfg.get("num_target_layers"),
+                layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
+                sliding_window=cfg.get("sliding_window"),
+                rope_scaling=cfg.get("rope_scaling"),
+            )
+        except KeyError as exc:
+            raise ModelLoadError(f"DFlash config.json: missing field {exc.args[0]!r}") from exc
+        except (TypeError, ValueError) as exc:
+            raise ModelLoadError(f"DFlash config.json: bad value: {exc}") from exc
+
+    def window_of(self, layer: int) -> int | None:
+        """The sliding window of drafter layer `layer`, or None for full attention."""
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+
+# ----------------------------------------------------------------------------- the model
+
+
+class _Attention(nn.Module):
+    """Block queries against cached context keys plus the block's own keys (no causal mask)."""
+
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = (
+            c.num_attention_heads,
+            c.num_key_value_heads,
+            c.head_dim,
+        )
+        self.scale = c.head_dim**-0.5
+        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        self.q_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+        self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
+
+    def keys_values(self, x: mx.array, rope, positions: mx.array) -> tuple[mx.array, mx.array]:
+        """Keys (rotated to `positions`, (B,) start offsets) and values of `x` (B, L, hidden)."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).reshape(b, n, self.n_kv_heads, -1)).transpose(0, 2, 1, 3)
+        v = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
+        return rope(k, offset=positions), v
+
+    def __call__(self, x, rope, positions, ctx_k, ctx_v, ctx_mask) -> mx.array:
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).reshape(b, n, self.n_heads, -1)).transpose(0, 2, 1, 3)
+        q = rope(q, offset=positions)
+        k, v = self.keys_values(x, rope, positions)
+        keys = mx.concatenate([ctx_k, k], axis=2)
+        values = mx.concatenate([ctx_v, v], axis=2)
+        mask = mx.concatenate([ctx_mask, mx.ones((b, 1, n, n), dtype=mx.bool_)], axis=-1)
+        out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
+        return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def __call__(self, x: mx.array) -> mx.array:
+        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: DFlashConfig):
+        super().__init__()
+        self.self_attn = _Attention(c)
+        self.mlp = _MLP(c)
+        self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+
+    def __call__(self, x, rope, positions, ctx_k, ctx_v, ctx_mask) -> mx.array:
+        h = x + self.self_attn(self.input_layernorm(x), rope, positions, ctx_k, ctx_v, ctx_mask)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DFlashModel(nn.Module):
+    """The drafter's own weights (`fc`, `hidden_norm`, `layers.*`, `norm`), published names."""
+
+    def __init__(self, config: DFlashConfig):
+        super().__init__()
+        self.config = config
+        width = len(config.target_layer_ids) * config.hidden_size
+        self.fc = nn.Linear(width, config.hidden_size, bias=False)
+        self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.layers = [_Layer(config) for _ in range(config.num_hidden_layers)]
+        self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        from mlx_lm.models.rope_utils import initialize_rope
+
+        self._rope = initialize_rope(
+            config.head_dim,
+            base=config.rope_theta,
+            traditional=False,
+            scaling_config=config.rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+        )
+
+    def rope(self, x: mx.array, offset) -> mx.array:
+        return self._rope(x, offset=offset)
+
+    def context(self, features: mx.array) -> mx.array:
+        """Project target features (B, W, len(ids) * hidden) to the context stream."""
+        return self.hidden_norm(self.fc(features))
+
+    def block_hidden(self, h: mx.array, positions, ctx_kv, ctx_masks) -> mx.array:
+        """Run the block embeddings `h` (B, L, hidden) through the layers; final norm applied.
+
+        ctx_kv[i] = (keys, values) of layer i's context, ctx_masks[i] (B, 1, L, S) bool.
+        """
+        for layer, (k, v), m in zip(self.layers, ctx_kv, ctx_masks, strict=True):
+            h = layer(h, self.rope, positions, k, v, m)
+        return self.norm(h)
+
+
+# ----------------------------------------------------------------------------- target side
+
+
+def target_layers(target: nn.Module) -> list:
+    """The decoder-layer list of an mlx-lm causal LM (llama, qwen3, qwen3_5 style)."""
+    for path in ("model.layers", "language_model.model.layers", "layers"):
+        obj: Any = target
+        try:
+            for part in path.split("."):
+                obj = getattr(obj, part)
+        except AttributeError:
+            continue
+        if isinstance(obj, list):
+            return obj
+    raise ModelLoadError(f"cannot find the decoder layers of {type(target).__name__}")
+
+
+def target_embed_and_head(target: nn.Module) -> tuple[Any, Any]:
+    """The target's token embedding module and LM head callable (tied or not)."""
+    for holder in (getattr(target, "language_model", None), target):
+        if holder is None:
+            continue
+        inner = getattr(holder, "model", None)
+        if inner is not None and "embed_tokens" in inner:
+            embed = inner.embed_tokens
+            head = holder["lm_head"] if "lm_head" in holder else embed.as_linear
+            return embed, head
+    raise ModelLoadError(f"cannot find the token embeddings of {type(target).__name__}")
+
+
+class _Hook:
+    """Stands in for a target layer: calls it and keeps its output."""
+
+    def __init__(self, layer, slot: int, store: list):
+        self._layer, self._slot, self._store = layer, slot, store
+
+    def __call__(self, *args, **kwargs):
+        out = self._layer(*args, **kwargs)
+        self._store[self._slot] = out
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+
+class FeatureCapture:
+    """Holds the outputs of the named target layers from the latest forward pass."""
+
+    def __init__(self, n: int):
+        self._outputs: list = [None] * n
+
+    @property
+    def features(self) -> mx.array:
+        """(B, T, len(target_layer_ids) * hidden) for the latest forward pass.
+
+        Raises RuntimeError when no forward pass has run inside the capture.
+        """
+        if any(o is None for o in self._outputs):
+            raise RuntimeError("no target forward pass ran inside the capture")
+        return mx.concatenate(self._outputs, axis=-1)
+
+
+# ----------------------------------------------------------------------------- the drafter
+
+
+class DFlashDrafter:
+    """A loaded DFlash drafter bound to its target's embeddings and LM head."""
+
+    kind = "dflash"
+
+    def __init__(self, model: DFlashModel, target: nn.Module, path: str = ""):
+        self.model = model
+        self.config = model.config
+        self.path = path
+        self.embed, self.lm_head = target_embed_and_head(target)
+
+    @property
+    def block_size(self) -> int:
+        return self.config.block_size
+
+    @property
+    def mask_token_id(self) -> int:
+        return self.config.mask_token_id
+
+    @contextmanager
+    def capture(self, target: nn.Module) -> Iterator[FeatureCapture]:
+        """Inside the block, every forward of `target` records the named layers' outputs.
+
+        `with drafter.capture(target) as cap: logits = target(x, cache=c)` then
+        `cap.features`. Works with any cache the target accepts; the target's layer list is
+        restored on exit.
+        """
+        layers = target_layers(target)
+        ids = self.config.target_layer_ids
+        cap = FeatureCapture(len(ids))
+        originals = {i: layers[i] for i in ids}
+        try:
+            for slot, i in enumerate(ids):
+                layers[i] = _Hook(originals[i], slot, cap._outputs)
+            yield cap
+        finally:
+            for i, layer in originals.items():
+                layers[i] = layer
+
+    def new_state(self, batch: int = 0) -> DFlashState:
+        """An empty batched context with `batch` rows."""
+        return DFlashState(self, batch)
+
+    def info(self) -> dict:
+        """Facts for logs and `spec-doctor`."""
+        return {
+            "drafter": self.kind,
+            "block_size": self.block_size,
+            "target_layer_ids": list(self.config.target_layer_ids),
+            "layers": self.config.num_hidden_layers,
+            "parameters": sum(v.size for _, v in tree_flatten(self.model.parameters())),
+        }
+
+
+class DFlashState:
+    """The drafter's context for a batch: per-layer context keys/values, ragged per row.
+
+    Physical positions are shared by all rows; `valid` marks which hold a real token of a
+    row and `length` counts real tokens per row (their RoPE positions are 0..length-1).
+    Rejected positions are never written: `extend` keeps only the first keep[i] new ones.
+    """
+
+    def __init__(self, drafter: DFlashDrafter, batch: int):
+        self.drafter = drafter
+        c = drafter.config
+        self.used = 0  # physical positions in use (same for every row)
+        self.valid = mx.zeros((batch, 0), dtype=mx.bool_)
+        self.positions = mx.zeros((batch, 0), dtype=mx.int32)  # RoPE position of each slot
+        self.length = mx.zeros((batch,), dtype=mx.int32)
+        shape = (batch, c.num_key_value_heads, 0, c.head_dim)
+        self.keys = [mx.zeros(shape) for _ in range(c.num_hidden_layers)]
+        self.values = [mx.zeros(shape) for _ in range(c.num_hidden_layers)]
+
+    @property
+    def batch(self) -> int:
+        return self.valid.shape[0]
+
+    def lengths(self) -> list[int]:
+        """Context tokens per row."""
+        return self.length.tolist()
+
+    def extend(self, features: mx.array, keep: list[int]) -> None:
+        """Append the first keep[i] of the W positions in `features` (B, W, F) to row i."""
+        b, w, _ = features.shape
+        if b != self.batch or len(keep) != b:
+            raise ValueError(f"extend: {b} feature rows and {len(keep)} keeps for {self.batch}")
+        if max(keep, default=0) > w or min(keep, default=0) < 0:
+            raise ValueError(f"extend: keep {keep} outside 0..{w}")
+        n = max(keep, default=0)
+        if n == 0:
+            return
+        keep_arr = mx.array(keep, dtype=mx.int32)
+        ctx = self.drafter.model.context(features[:, :n])
+        for i, layer in enumerate(self.drafter.model.layers):
+            k, v = layer.self_attn.keys_values(ctx, self.drafter.model.rope, self.length)
+            self._write(i, k, v)
+        new_valid = mx.arange(n)[None, :] < keep_arr[:, None]
+        new_pos = self.length[:, None] + mx.arange(n)[None, :]
+        self.valid = mx.concatenate([self.valid, new_valid], axis=1)
+        self.positions = mx.concatenate([self.positions, new_pos.astype(mx.int32)], axis=1)
+        self.length = self.length + keep_arr
+        self.used += n
+
+    def _write(self, i: int, k: mx.array, v: mx.array) -> None:
+        start, n = self.used, k.shape[2]
+        if start + n > self.keys[i].shape[2]:
+            size = ((start + n + GROW - 1) // GROW) * GROW
+            pad = [(0, 0), (0, 0), (0, size - self.keys[i].shape[2]), (0, 0)]
+            self.keys[i] = mx.pad(self.keys[i], pad)
+            self.values[i] = mx.pad(self.values[i], pad)
+        self.keys[i][..., start : start + n, :] = k
+        self.values[i][..., start : start + n, :] = v
+
+    def _context(self, i: int) -> tuple[mx.array, mx.array]:
+        return self.keys[i][..., : self.used, :], self.values[i][..., : self.used, :]
+
+    def block_logits(
+        self, last_tokens: list[int], embed: Any = None, lm_head: Any = None
+    ) -> mx.array:
+        """One drafter pass over [last token, mask x (block-1)] per row.
+
+        Returns the logits (B, block_size - 1, V) of block positions 1..block-1: position j
+        predicts the j-th token after `last_tokens[i]`. `embed` and `lm_head` default to the
+        target's, bound at load.
+        """
+        model, c = self.drafter.model, self.drafter.config
+        embed = self.drafter.embed if embed is None else embed
+        lm_head = self.drafter.lm_head if lm_head is None else lm_head
+        if len(last_tokens) != self.batch:
+            raise ValueError(f"block_logits: {len(last_tokens)} last tokens for {self.batch} rows")
+        bs = c.block_size
+        ids = mx.array([[t] + [c.mask_token_id] * (bs - 1) for t in last_tokens], dtype=mx.int32)
+        h = embed(ids)
+        qpos = self.length[:, None] + mx.arange(bs)[None, :]  # (B, bs)
+        ctx_kv, masks = [], []
+        for i in range(c.num_hidden_layers):
+            ctx_kv.append(self._context(i))
+            mask = mx.broadcast_to(self.valid[:, None, :], (self.batch, bs, self.used))
+            window = c.window_of(i)
+            if window is not None:
+                near = qpos[:, :, None] - self.positions[:, None, :] < window
+                mask = mask & near
+            masks.append(mask[:, None])
+        out = model.block_hidden(h, self.length, ctx_kv, masks)
+        return lm_head(out[:, 1:])
+
+    def select(self, rows: list[int]) -> None:
+        """Keep only these rows, in this order (rows that finished leave)."""
+        idx = mx.array(rows, dtype=mx.int32)
+        self.valid, self.positions, self.length = (
+            self.valid[idx],
+            self.positions[idx],
+            self.length[idx],
+        )
+        self.keys = [k[idx] for k in self.keys]
+        self.values = [v[idx] for v in self.values]
+        self._drop_dead_head()
+
+    def append(self, other: DFlashState) -> None:
+        """Add the rows of `other` (e.g. requests just prefilled) after this state's rows."""
+        n = max(self.used, other.used)
+        mine, theirs = self._padded(n), other._padded(n)
+        self.valid = mx.concatenate([mine[0], theirs[0]])
+        self.positions = mx.concatenate([mine[1], theirs[1]])
+        self.keys = [mx.concatenate([a, b]) for a, b in zip(mine[2], theirs[2], strict=True)]
+        self.values = [mx.concatenate([a, b]) for a, b in zip(mine[3], theirs[3], strict=True)]
+        self.length = mx.concatenate([self.length, other.length])
+        self.used = n
+
+    def _padded(self, n: int):
+        # Left-pad used positions to n with invalid slots; drop the unused allocation.
+        extra = n - self.used
+        pad2 = [(0, 0), (extra, 0)]
+        pad4 = [(0, 0), (0, 0), (extra, 0), (0, 0)]
+        keys = [mx.pad(self._context(i)[0], pad4) for i in range(len(self.keys))]
+        values = [mx.pad(self._context(i)[1], pad4) for i in range(len(self.keys))]
+        return mx.pad(self.valid, pad2), mx.pad(self.positions, pad2), keys, values
+
+    def _drop_dead_head(self) -> None:
+        if self.used == 0:
+            return
+        alive = mx.any(self.valid, axis=0).tolist()
+        start = next((i for i, a in enumerate(alive) if a), len(alive))
+        if start:
+            self.valid, self.positions = self.valid[:, start:], self.positions[:, start:]
+            self.keys = [k[..., start : self.used, :] for k in self.keys]
+            self.values = [v[..., start : self.used, :] for v in self.values]
+            self.used -= start
+
+    def compact(self) -> None:
+        """Squeeze out slots that no row uses (after many rows left); order is kept."""
+        if self.used == 0:
+            return
+        key = self.valid.astype(mx.int32) * self.used + mx.arange(self.used)[None, :]
+        order = mx.argsort(key, axis=1)
+        keep = int(mx.max(mx.sum(self.valid, axis=1)).item())
+        order = order[:, self.used - keep :]
+        self.valid = mx.take_along_axis(self.valid, order, axis=1)
+        self.positions = mx.take_along_axis(self.positions, order, axis=1)
+        idx = order[:, None, :, None]
+        for i in range(len(self.keys)):
+            k, v = self._context(i)
+            self.keys[i] = mx.take_along_axis(k, idx, axis=2)
+            self.values[i] = mx.take_along_axis(v, idx, axis=2)
+        self.used = keep
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def is_dflash_dir(path: str | Path) -> bool:
+    """True when `path`/config.json names the DFlashDraftModel architecture."""
+    cfg = Path(path).expanduser() / "config.json"
+    try:
+        archs = json.loads(cfg.read_text()).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False
+    return ARCHITECTURE in archs
+
+
+def _target_width_and_vocab(target: nn.Module, target_config: dict) -> tuple[int, int]:
+    cfg = target_config.get("text_config", target_config)
+    embed, _ = target_embed_and_head(target)
+    hidden = cfg.get("hidden_size")
+    vocab = cfg.get("vocab_size")
+    if hidden is None or vocab is None:
+        shape = embed.weight.shape
+        vocab = vocab or shape[0]
+        hidden = hidden or int(getattr(embed, "dims", shape[1]))
+    return int(hidden), int(vocab)
+
+
+def check_against_target(config: DFlashConfig, target: nn.Module, target_config: dict) -> None:
+    """Raise ModelLoadError when the drafter was not made for this target (both values named)."""
+    n_layers = len(target_layers(target))
+    hidden, vocab = _target_width_and_vocab(target, target_config)
+    for i in config.target_layer_ids:
+        if not 0 <= i < n_layers:
+            raise ModelLoadError(
+                f"DFlash drafter reads target layer {i}, but the target has {n_layers} layers "
+                f"(0..{n_layers - 1})"
+            )
+    if config.num_target_layers is not None and int(config.num_target_layers) != n_layers:
+        raise ModelLoadError(
+            f"DFlash drafter was made for a target of {config.num_target_layers} layers, "
+            f"the target has {n_layers}"
+        )
+    if config.hidden_size != hidden:
+        raise ModelLoadError(
+            f"DFlash drafter hidden_size {config.hidden_size} differs from the target's "
+            f"hidden_size {hidden}"
+        )
+    if config.vocab_size != vocab:
+        raise ModelLoadError(
+            f"DFlash drafter vocab_size {config.vocab_size} differs from the target's "
+            f"vocab_size {vocab}"
+        )
+    if not 0 <= config.mask_token_id < vocab:
+        raise ModelLoadError(
+            f"DFlash mask_token_id {config.mask_token_id} is outside the target's vocabulary "
+            f"(0..{vocab - 1})"
+        )
+    if config.block_size < 2:
+        raise ModelLoadError(f"DFlash block_size must be >= 2, got {config.block_size}")
+    if config.layer_types and len(config.layer_types) != config.num_hidden_layers:
+        raise ModelLoadError(
+            f"DFlash layer_types has {len(config.layer_types)} entries for "
+            f"{config.num_hidden_layers} layers"
+        )
+
+
+def _read_weights(path: Path) -> dict:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"DFlash drafter {path}: no *.safetensors files")
+    weights = {}
+    for f in files:
+        weights.update(mx.load(str(f)))
+    # Some exports nest the drafter's weights under "model."; the names inside are the same.
+    return {k.removeprefix("model."): v for k, v in weights.items()}
+
+
+def load_dflash(path: str | Path, target_model: nn.Module, target_config: dict) -> DFlashDrafter:
+    """Load a DFlash drafter in the published layout and bind it to `target_model`.
+
+    Quantized drafters (config `quantization` as mlx-lm writes it) load too. On the CPU
+    backend float weights are cast to float32. Raises ModelLoadError when the directory is
+    not a DFlash drafter, its files are incomplete, or it does not fit the target.
+    """
+    path = Path(path).expanduser()
+    if not is_dflash_dir(path):
+        raise ModelLoadError(f"{path} is not a DFlash drafter (config.json architectures)")
+    raw = json.loads((path / "config.json").read_text())
+    config = DFlashConfig.from_dict(raw)
+    check_against_target(config, target_model, target_config)
+    weights = _read_weights(path)
+    model = DFlashModel(config)
+    quant = raw.get("quantization") or raw.get("quantization_config")
+    if quant:
+        nn.quantize(
+            model,
+            group_size=int(quant.get("group_size", 64)),
+            bits=int(quant.get("bits", 4)),
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    try:
+        model.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        raise ModelLoadError(f"DFlash drafter {path}: weights do not match config: {exc}") from exc
+    if mx.default_device() == mx.cpu:
+        from mlx.utils import tree_map
+
+        def cast(x):
+            return x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x
+
+        model.update(tree_map(cast, model.parameters()))
+    mx.eval(model.parameters())
+    return DFlashDrafter(model, target_model, str(path))
+
+
+def save_dflash(model: DFlashModel, path: str | Path, extra: dict | None = None) -> None:
+    """Write `model` in the published layout: config.json and model.safetensors."""
+    from mlx.utils import tree_flatten
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    c = model.config
+    cfg = {
+        "architectures": [ARCHITECTURE],
+        "model_type": "qwen3",
+        "hidden_size": c.hidden_size,
+        "num_hidden_layers": c.num_hidden_layers,
+        "num_attention_heads": c.num_attention_heads,
+        "num_key_value_heads": c.num_key_value_heads,
+        "head_dim": c.head_dim,
+        "intermediate_size": c.intermediate_size,
+        "vocab_size": c.vocab_size,
+        "rms_norm_eps": c.rms_norm_eps,
+        "rope_theta": c.rope_theta,
+        "max_position_embeddings": c.max_position_embeddings,
+        "hidden_act": "silu",
+        "tie_word_embeddings": False,
+        "block_size": c.block_size,
+        "num_target_layers": c.num_target_layers,
+        "dflash_config": {
+            "mask_token_id": c.mask_token_id,
+            "target_layer_ids": list(c.target_layer_ids),
+        },
+        "torch_dtype": "float32",
+        **(extra or {}),
+    }
+    if c.layer_types:
+        cfg["layer_types"] = list(c.layer_types)
+        cfg["sliding_window"] = c.sliding_window
+    weights = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("_")}
+    mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
+    (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Evenly spread layers from the second to the third-last (the published choice)."""
+    if num_draft_layers <= 1 or num_target_layers <= 4:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    step = (end - start) / (num_draft_layers - 1)
+    return [int(math.floor(start + i * step + 0.5)) for i in range(num_draft_layers)]
+
+
+def greedy_reference(
+    target: nn.Module, drafter: DFlashDrafter, prompt: list[int], max_tokens: int
+) -> tuple[list[int], dict]:
+    """Single-row greedy speculative decoding with `drafter`, the plainest correct loop.
+
+    A yardstick for tests and for measuring a drafter (not the serving decoder): mlx-lm's
+    prompt cache for the target, trimmed after each verify. Returns the first `max_tokens`
+    tokens (EOS not treated specially) and {"target_passes": verify passes, "accepted": the
+    drafts accepted per pass}; the prefill that yields the first token is not counted.
+    """
+    from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
+
+    cache = make_prompt_cache(target)
+    state = drafter.new_state(1)
+    with drafter.capture(target) as cap:
+        logits = target(mx.array([prompt]), cache=cache)
+        state.extend(cap.features, [len(prompt)])
+    last = int(mx.argmax(logits[0, -1]).item())
+    out, accepted = [last], []
+    while len(out) < max_tokens:
+        drafts = mx.argmax(state.block_logits([last])[0], axis=-1).tolist()
+        with drafter.capture(target) as cap:
+            logits = target(mx.array([[last] + drafts]), cache=cache)
+            feats = cap.features
+        verified = mx.argmax(logits[0], axis=-1).tolist()
+        n = next(
+            (i for i, (d, v) in enumerate(zip(drafts, verified, strict=True)) if d != v),
+            len(drafts),
+        )
+        trim_prompt_cache(cache, len(drafts) - n)
+        state.extend(feats, [n + 1])
+        out.extend(drafts[:n] + [verified[n]])
+        accepted.append(n)
+        last = verified[n]
+    return out[:max_tokens], {"target_passes": len(accepted), "accepted": accepted}

@@ -1,0 +1,209 @@
+"""DFlash block drafters through the one decoder: exact greedy output, the target's
+law when sampling, single and batched, on the demo target and a hybrid target.
+
+`drafter: "model"` means the worker's draft whatever its kind; with a DFlash drafter
+loaded, statistics say "dflash". Block position j's law (given the context up to the
+block) is the q of speculative sampling; the chi-square test of test_engine_sampling
+checks the law over a 6-token vocabulary with mixed block lengths, and a drafter whose
+law is dropped from the acceptance rule must fail it.
+"""
+
+from __future__ import annotations
+
+import json
+
+import mlx.core as mx
+import mlx_lm
+import pytest
+from mlx.utils import tree_map
+from test_dflash import drafter_config
+from test_engine_sampling import (
+    LENGTH,
+    N_MUTANT,
+    P_FAIL,
+    PARAMS,
+    PROMPT,
+    VOCAB,
+    chi_square_p,
+    exact_law,
+)
+from tiny_families import build_model, tokenizer_dir
+from tiny_models import build_llama, reference_greedy
+
+import engine
+from engine import GenerationRequest, drafters
+from engine.batch import BatchDecoder, SpeculativeDecoder
+from engine.dflash import DFlashModel, load_dflash, save_dflash
+from engine.loading import DEMO_DIR, ModelPair
+
+PROMPTS = [
+    "def parse_header(line):\n    ",
+    "import os\n",
+    "class Stack:\n    def __init__(self):",
+    "x = [",
+    "for i in range(10):",
+]
+MODES = [1, 3, 7, "auto"]
+N_DRAWS = 20_000
+
+
+@pytest.fixture(scope="module")
+def demo_dflash():
+    return engine.load_pair(draft=DEMO_DIR / "dflash", calibrate=False)
+
+
+@pytest.mark.parametrize("k", MODES)
+def test_greedy_equals_target_only_single_and_batched(demo_dflash, k):
+    pair = demo_dflash
+    requests = [
+        GenerationRequest(prompt=p, max_tokens=20 + 4 * i, num_draft_tokens=k)
+        for i, p in enumerate(PROMPTS)
+    ]
+    refs = [reference_greedy(pair, pair.tokenizer.encode(r.prompt), r.max_tokens) for r in requests]
+    single = [engine.generate(pair, r) for r in requests]
+    batched = dict(engine.generate_many(pair, requests, max_batch=2))  # rows join mid-batch
+    for i, ref in enumerate(refs):
+        assert single[i].token_ids == ref[: len(single[i].token_ids)]
+        assert batched[i].token_ids == single[i].token_ids
+    stats = [r.metrics["speculative_decoding"] for r in single]
+    assert {s["drafter"] for s in stats} == {"dflash"}
+    if k != "auto":
+        assert sum(s["num_accepted_draft_tokens"] for s in stats) > 0
+
+
+def test_other_drafters_still_work_beside_a_dflash_draft(demo_dflash):
+    ids = demo_dflash.tokenizer.encode(PROMPTS[2])
+    ref = reference_greedy(demo_dflash, ids, 24)
+    for drafter in ("lookup", "none"):
+        got = engine.generate(
+            demo_dflash, GenerationRequest(prompt_ids=ids, max_tokens=24, drafter=drafter)
+        )
+        assert got.token_ids == ref
+        assert got.metrics["speculative_decoding"]["drafter"] == drafter
+
+
+def test_a_hybrid_qwen3_5_target_with_a_dflash_drafter_is_exact(tmp_path):
+    # qwen3_5: gated delta-net layers between full-attention ones (recurrent rollback).
+    tok, vocab = tokenizer_dir(tmp_path)
+    target = build_model(tmp_path / "qwen3_5", "qwen3_5", vocab_size=vocab, tokenizer_from=tok)
+    layers = json.loads((target / "config.json").read_text())["num_hidden_layers"]
+    mx.random.seed(3)
+    config = drafter_config(
+        vocab_size=vocab,
+        num_target_layers=layers,
+        target_layer_ids=(0, layers - 1),
+        block_size=4,
+        mask_token_id=vocab - 1,
+    )
+    save_dflash(DFlashModel(config), tmp_path / "dflash")
+    pair = engine.load_pair(target, tmp_path / "dflash", calibrate=False)
+    assert pair.dflash is not None
+    ids_list = [pair.tokenizer.encode(p) for p in PROMPTS[:3]]
+    for k in (1, 3, "auto"):
+        requests = [
+            GenerationRequest(prompt_ids=ids, max_tokens=16 + 3 * i, num_draft_tokens=k)
+            for i, ids in enumerate(ids_list)
+        ]
+        refs = [reference_greedy(pair, r.prompt_ids, r.max_tokens) for r in requests]
+        single = [engine.generate(pair, r).token_ids for r in requests]
+        batched = dict(engine.generate_many(pair, requests, max_batch=2))
+        for i, ref in enumerate(refs):
+            assert single[i] == ref[: len(single[i])], (k, i)
+            assert batched[i].token_ids == single[i], (k, i)
+
+
+# -- the sampling law --------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def small_vocab_dflash(tmp_path_factory) -> ModelPair:
+    tmp = tmp_path_factory.mktemp("v6dflash")
+    target = build_llama(tmp / "t", vocab_size=VOCAB, hidden=16, layers=1, seed=11, scale=6.0)
+    t_model, config = mlx_lm.utils.load_model(target)
+    mx.random.seed(21)
+    dmodel = DFlashModel(
+        drafter_config(
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
+            vocab_size=VOCAB,
+            num_target_layers=1,
+            target_layer_ids=(0,),
+            block_size=4,
+            mask_token_id=5,
+        )
+    )
+    # Larger weights make the drafter's laws far from uniform (and from the target's).
+    dmodel.update(tree_map(lambda w: w * 4.0, dmodel.parameters()))
+    save_dflash(dmodel, tmp / "d")
+    pair = ModelPair(t_model, None, None, str(target), str(tmp / "d"), 512, VOCAB, VOCAB, "v6")
+    pair.dflash = load_dflash(tmp / "d", t_model, config)
+    return pair
+
+
+def draw(pair, n: int, seed0: int, rows: int) -> dict:
+    """n sequences of LENGTH tokens; block lengths 1..3 mixed; rows join as others end."""
+    batch = BatchDecoder(pair) if rows > 1 else None
+    counts: dict = {}
+    out: dict = {}
+    started = 0
+    while started < n or out:
+        if batch is None:  # one row at a time: the single-request path
+            dec = SpeculativeDecoder(
+                pair,
+                PROMPT,
+                PARAMS,
+                seed=seed0 + started,
+                drafter="model",
+                num_draft_tokens=1 + started % 3,
+                max_tokens=LENGTH,
+            )
+            seq = tuple([t for s in dec.steps() for t in s.tokens][:LENGTH])
+            counts[seq] = counts.get(seq, 0) + 1
+            started += 1
+            if started >= n:
+                break
+            continue
+        while started < n and len(out) < rows:
+            batch.add(
+                started,
+                PROMPT,
+                PARAMS,
+                seed=seed0 + started,
+                drafter="model",
+                num_draft_tokens=1 + started % 3,
+                max_tokens=LENGTH,
+            )
+            out[started] = []
+            started += 1
+        for key, step in batch.step().items():
+            out[key].extend(step.tokens)
+            if len(out[key]) >= LENGTH:
+                seq = tuple(out.pop(key)[:LENGTH])
+                counts[seq] = counts.get(seq, 0) + 1
+                batch.remove(key)
+    return counts
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("rows", [100, 1])
+def test_dflash_sampling_follows_the_target_law(small_vocab_dflash, rows):
+    law = exact_law(small_vocab_dflash)
+    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
+    counts = draw(small_vocab_dflash, N_DRAWS, seed0=5_000_000 + rows, rows=rows)
+    assert chi_square_p(law, counts) > P_FAIL
+
+
+def test_a_dflash_law_left_out_of_the_acceptance_rule_fails_the_test(
+    small_vocab_dflash, monkeypatch
+):
+    original = drafters.DFlashProposer.propose
+
+    def without_laws(self, want, positions, last):
+        # Mutation: sampled drafts judged as if the drafter were deterministic (q one-hot).
+        found, _ = original(self, want, positions, last)
+        return found, {}
+
+    monkeypatch.setattr(drafters.DFlashProposer, "propose", without_laws)
+    counts = draw(small_vocab_dflash, N_MUTANT, seed0=6_000_000, rows=100)
+    assert chi_square_p(exact_law(small_vocab_dflash), counts) < P_FAIL
