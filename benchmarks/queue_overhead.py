@@ -12,7 +12,7 @@ Starts a private redis-server on a free port (no persistence), then:
    gap minus the engine's own `metrics.generation_time_ms` from its result line.
 2. `spec-submit` of a --lines-line job file (no worker running), wall time.
 3. `spec-collect` of the same batch after --lines fake results were stored with
-   `producer.store.store_line`, exactly as the worker stores them, wall time.
+   `jobstore.store.store_line`, exactly as the worker stores them, wall time.
 
 Writes its table to the `queue` section of BENCHMARKS.md (or --out).
 """
@@ -39,10 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import report  # noqa: E402
 
-from producer import store  # noqa: E402
-from producer.jobfile import JobLine  # noqa: E402
-from producer.keys import Keys  # noqa: E402
-from producer.lines import dumps, result_line  # noqa: E402
+from jobstore import store  # noqa: E402
+from jobstore.jobfile import JobLine  # noqa: E402
+from jobstore.keys import Keys  # noqa: E402
+from jobstore.lines import dumps, result_line  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent

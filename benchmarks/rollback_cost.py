@@ -24,7 +24,7 @@ import mlx.core as mx  # noqa: E402
 from mlx_lm.models import llama, qwen3_5  # noqa: E402
 
 import engine  # noqa: E402,F401  (fast BLAS before mlx)
-from engine.ragged import make_ragged_cache  # noqa: E402
+from engine.families import make_ragged_cache  # noqa: E402
 
 VOCAB = 2048
 

@@ -32,7 +32,7 @@ from . import core, sampling
 from .adaptive import MAX_AUTO_DRAFT, AutoRow, FixedRow
 from .core import MAX_DRAFT_TOKENS, Step
 from .drafters import DFlashProposer, LookupIndex, ModelProposer, prefill_rows
-from .ragged import make_ragged_cache
+from .families import make_ragged_cache
 
 COMPACT_WASTE = 0.5
 # A hybrid row drafts by lookup when its last HYBRID_MIN_NGRAM tokens occurred before:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from . import sampling
-from .ragged import make_ragged_cache
+from .families import make_ragged_cache
 from .sampling import DRAW_DRAFT
 
 # Squeeze holes out of a DFlash context every this many steps (it checks its waste).

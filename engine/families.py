@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from .ragged import RaggedLayerCache, RaggedRows
 from .recurrent import RecurrentLayerCache, install_recorder
 from .types import ModelLoadError
 
@@ -80,12 +81,19 @@ def _install_recorders(model) -> None:
                 install_recorder(child)
 
 
+def make_ragged_cache(model, batch: int) -> tuple[RaggedRows, list]:
+    """A ragged cache for `model` with `batch` empty rows, in the layout the model's
+    own `make_cache()` has (one ragged layer cache per mlx-lm layer cache).
+
+    Raises UnsupportedModelError for a layer kind it cannot keep exact."""
+    rows = RaggedRows(batch)
+    return rows, layer_caches(model, rows)
+
+
 def layer_caches(model, rows) -> list:
     """One ragged layer cache per entry of the model's own cache layout.
 
     Raises UnsupportedModelError naming the first layer kind with no exact ragged form."""
-    from .ragged import RaggedLayerCache
-
     template = _template(model)
     caches = []
     for i, cache in enumerate(template):
@@ -120,8 +128,6 @@ def check_model(model, role: str) -> Counter:
     Builds its ragged cache and runs one 2-token pass, so every recurrent layer's
     mixer is proven to report its inputs (replays need them). Raises
     UnsupportedModelError (a ModelLoadError) saying which layer and what still works."""
-    from .ragged import make_ragged_cache
-
     try:
         rows, caches = make_ragged_cache(model, 1)
     except UnsupportedModelError as exc:

@@ -286,14 +286,3 @@ class RaggedLayerCache:
         theirs = theirs or empty(other.rows.batch)
         self.keys = mx.concatenate([mine[0], theirs[0]])
         self.values = mx.concatenate([mine[1], theirs[1]])
-
-
-def make_ragged_cache(model, batch: int) -> tuple[RaggedRows, list]:
-    """A ragged cache for `model` with `batch` empty rows, in the layout the model's
-    own `make_cache()` has (one ragged layer cache per mlx-lm layer cache).
-
-    Raises families.UnsupportedLayerError for a layer kind it cannot keep exact."""
-    from .families import layer_caches
-
-    rows = RaggedRows(batch)
-    return rows, layer_caches(model, rows)

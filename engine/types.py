@@ -1,12 +1,15 @@
 """Values that cross the engine's boundary: requests, results, statistics, errors.
 
-This module imports nothing from MLX, so schemas and tests can use it cheaply.
+This module imports nothing from MLX, so schemas and tests can use it cheaply; rates
+from counters come from jobstore.stats, which imports neither MLX nor Redis.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Literal
+
+from jobstore import stats
 
 Drafter = Literal["model", "lookup", "none"]
 FinishReason = Literal["stop", "length"]
@@ -121,45 +124,15 @@ class SpecStats:
 
     def to_dict(self) -> dict:
         """The `speculative_decoding` object of a result line (FORMATS.md)."""
-        steps = self.num_spec_steps
-        return {
-            "drafter": self.drafter,
-            "num_spec_steps": steps,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_draft_tokens": self.num_accepted_draft_tokens,
-            "draft_acceptance_rate": round(
-                self.num_accepted_draft_tokens / self.num_draft_tokens, 4
-            )
-            if self.num_draft_tokens
-            else 0.0,
-            "mean_acceptance_length": round(self.num_emitted_tokens / steps, 4) if steps else 0.0,
-            "acceptance_histogram": list(self.acceptance_histogram),
-            "per_position_acceptance": [
-                round(a / d, 4) if d else 0.0
-                for a, d in zip(
-                    self.accepted_per_position, self.draft_tokens_per_position, strict=True
-                )
-            ],
-            "draft_tokens_per_position": list(self.draft_tokens_per_position),
-        }
-
-    @classmethod
-    def from_dict(cls, d: dict) -> SpecStats:
-        """Rebuild counters from `to_dict()` output (e.g. a stored result line)."""
-        hist = list(d.get("acceptance_histogram", []))
-        proposed = list(d.get("draft_tokens_per_position", []))
-        # accepted at position i = steps that accepted more than i draft tokens
-        accepted = [sum(hist[i + 1 :]) for i in range(len(proposed))]
-        steps = int(d.get("num_spec_steps", 0))
-        return cls(
-            drafter=d.get("drafter", "none"),
-            num_spec_steps=steps,
-            num_draft_tokens=int(d.get("num_draft_tokens", 0)),
-            num_accepted_draft_tokens=int(d.get("num_accepted_draft_tokens", 0)),
-            num_emitted_tokens=round(float(d.get("mean_acceptance_length", 0.0)) * steps),
-            acceptance_histogram=hist,
-            draft_tokens_per_position=proposed,
-            accepted_per_position=accepted,
+        return stats.summary(
+            self.drafter,
+            self.num_spec_steps,
+            self.num_draft_tokens,
+            self.num_accepted_draft_tokens,
+            self.num_emitted_tokens,
+            self.acceptance_histogram,
+            self.draft_tokens_per_position,
+            self.accepted_per_position,
         )
 
 

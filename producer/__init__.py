@@ -1,8 +1,8 @@
-"""specfleet's producer: the job file, the Redis key layout, submitting and collecting.
+"""specfleet's producer: submitting a job file, status, collect, retry and cancel.
 
-Public API: `jobfile` (JobLine, LineError, validate_file), `lines` (result and error
-lines), `keys.Keys`, `submit`, `batches` (status, collect, retry, cancel). This package
-never imports MLX or `engine`: a machine that only submits installs without them.
+Public API: `submit`, `batches` (status, collect, retry, cancel). The job file, the key
+layout, result lines and the store it uses live in `jobstore`. This package never
+imports MLX or `engine`: a machine that only submits installs without them.
 """
 
-__all__ = ["batches", "config", "jobfile", "keys", "lines", "store", "submit"]
+__all__ = ["batches", "submit"]

@@ -26,13 +26,14 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from producer import config, store
-from producer.jobfile import JobLine
-from producer.keys import Keys, is_job_of, job_id
-from producer.lines import dumps, error_line
+from jobstore import config, store
+from jobstore.jobfile import JobLine
+from jobstore.keys import AUDIT_CHECKED, AUDIT_MISMATCHES, Keys, is_job_of, job_id
+from jobstore.limits import TERMINAL_STATUSES
+from jobstore.lines import dumps, error_line
 from producer.submit import _job_data
 
-TERMINAL = ("completed", "failed", "cancelled")
+TERMINAL = TERMINAL_STATUSES
 
 
 class BatchError(Exception):
@@ -80,30 +81,11 @@ def _redis_refusals(func):
     return run
 
 
-#: The Redis type of every key of a batch (producer.keys); "none" (absent) is always fine.
-def _key_types(keys: Keys, batch_id: str) -> dict[str, str]:
-    return {
-        keys.batch(batch_id): "hash",
-        keys.requests(batch_id): "hash",
-        keys.order(batch_id): "zset",
-        keys.results(batch_id): "hash",
-        keys.errors(batch_id): "hash",
-        keys.done(batch_id): "list",
-        keys.batch_workers(batch_id): "hash",
-        keys.submitting(batch_id): "string",
-    }
-
-
 def check_key_types(conn: Redis, keys: Keys, batch_id: str) -> None:
     """Raises CorruptBatch naming the first key of the batch that holds the wrong type."""
-    expected = _key_types(keys, batch_id)
-    with conn.pipeline(transaction=False) as pipe:
-        for key in expected:
-            pipe.type(key)
-        found = [_text(t) for t in pipe.execute()]
-    for (key, want), got in zip(expected.items(), found, strict=True):
-        if got not in ("none", want):
-            raise CorruptBatch(f"key {key}: holds a {got}, expected a {want}")
+    problem = store.wrong_key_type(conn, keys, batch_id)
+    if problem:
+        raise CorruptBatch(problem)
 
 
 #: Batch hash fields read as integers (besides every `sd:` counter) and as timestamps.
@@ -114,8 +96,8 @@ _INT_FIELDS = (
     "completion_tokens",
     "busy_ms",
     "result_ttl",
-    "audit_checked",
-    "audit_mismatches",
+    AUDIT_CHECKED,
+    AUDIT_MISMATCHES,
 )
 _TIME_FIELDS = ("created_at", "started_at", "last_done_at", "completed_at")
 
@@ -228,6 +210,16 @@ def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
         "throughput_tokens_per_second": round(throughput, 2),
         "eta_seconds": eta,
         "workers": _workers(conn, keys, batch_id),
+        "audit": audit_summary(meta),
+    }
+
+
+def audit_summary(meta: dict[str, str]) -> dict[str, int]:
+    """{"checked", "mismatches"}: requests re-run target-only by audit mode, and how
+    many of them came out different from the speculative output."""
+    return {
+        "checked": int(meta.get(AUDIT_CHECKED, 0)),
+        "mismatches": int(meta.get(AUDIT_MISMATCHES, 0)),
     }
 
 
@@ -515,9 +507,9 @@ def _delete(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> None:
                 if record is None:  # rejected at submit time: it never had a job
                     continue
                 job = job_id(batch_id, key, int(json.loads(record)["line"]))
-                pipe.delete(f"rq:job:{job}")
+                pipe.delete(keys.rq_job(job))
                 for alias in models:
-                    pipe.zrem(f"rq:failed:{keys.queue_name(alias)}", job)
+                    pipe.zrem(keys.rq_failed(alias), job)
             pipe.execute()
     with conn.pipeline() as pipe:
         pipe.delete(*keys.batch_keys(batch_id))
@@ -550,8 +542,8 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
             for key, record in zip(chunk, records, strict=True):
                 job = JobLine.from_record(json.loads(record))
                 old = job_id(batch_id, key, job.line)
-                pipe.delete(f"rq:job:{old}")
-                pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", old)
+                pipe.delete(keys.rq_job(old))
+                pipe.zrem(keys.rq_failed(job.model), old)
                 jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
             for alias, datas in jobs.items():
                 queue = queues.setdefault(
@@ -585,7 +577,7 @@ def cancel(conn: Redis, keys: Keys, batch_id: str) -> int:
         for removed_id in store.remove_queued(conn, queue.key, batch_id):
             line = int(removed_id.rsplit("-", 1)[1])
             key = _key_of_job(conn, removed_id)
-            conn.delete(f"rq:job:{removed_id}")
+            conn.delete(keys.rq_job(removed_id))
             if key is None:
                 continue
             custom_id = key[2:] if key.startswith("c:") else None

@@ -1,64 +1,31 @@
 """Console scripts of a machine that submits and collects: spec-submit, spec-status,
 spec-collect, spec-retry, spec-cancel. No MLX here.
 
-Exit codes: 0 done; 1 the request could not be done (invalid job file, unknown batch,
-Redis unreachable; one line on stderr says why); 2 bad command-line usage.
+Errors and exit codes follow jobstore.options: `<command>: error: <message>` on stderr;
+1 the request could not be done (invalid job file, unknown batch), 2 bad usage, 3 Redis
+unreachable, 130 Ctrl-C while watching.
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import sys
 
 import click
-import redis
 
-from producer import batches, config, progress
-from producer.connection import RedisUnavailable, connect, warn_if_evicting
-from producer.jobfile import JobFileError
-from producer.keys import Keys
-from producer.submit import (
-    SubmitError,
-    check_batch_id,
-    enqueue_file,
-    new_batch_id,
-    validate,
-)
+from jobstore import config
+from jobstore.connection import connect, warn_if_evicting
+from jobstore.jobfile import validate
+from jobstore.keys import Keys, check_batch_id, new_batch_id
+from jobstore.options import fail, friendly_errors, redis_option
+from producer import batches
+from producer.submit import SubmitError, enqueue_file
 from producer.tokencount import ContextChecker
-
-REDIS_HELP = (
-    "Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL, else " + config.DEFAULT_REDIS_URL + "]"
-)
+from reporting import progress
 
 
 def _say(message: str) -> None:
     click.echo(message, err=True)
-
-
-def _friendly_errors(name: str):
-    """Turn the errors a user can act on into one line on stderr and exit code 1."""
-
-    def wrap(func):
-        @functools.wraps(func)
-        def run(*args, **kwargs):
-            try:
-                return func(*args, **kwargs)
-            except (RedisUnavailable, SubmitError, batches.BatchError, JobFileError) as exc:
-                _say(f"{name}: error: {exc}")
-                sys.exit(1)
-            except redis.exceptions.ConnectionError as exc:
-                url = config.redact(config.redis_url(kwargs.get("redis_url")))
-                _say(f"{name}: error: lost the connection to Redis at {url}: {exc}")
-                sys.exit(1)
-
-        return run
-
-    return wrap
-
-
-def _redis_option(func):
-    return click.option("--redis", "redis_url", metavar="URL", help=REDIS_HELP)(func)
 
 
 def _follow_hint(batch_id: str, redis_url: str | None) -> str:
@@ -71,7 +38,7 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
 
 @click.command()
 @click.argument("jobs_file", metavar="JOBS.jsonl")
-@_redis_option
+@redis_option
 @click.option(
     "--model",
     metavar="ALIAS",
@@ -98,7 +65,7 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
     metavar="FILE",
     help="With --wait: write error lines here (default: into -o).",
 )
-@_friendly_errors("spec-submit")
+@friendly_errors("spec-submit", batches.BatchError, SubmitError)
 def submit(
     jobs_file, redis_url, model, batch_id, skip_invalid, result_ttl, wait, output, errors_path
 ):
@@ -118,14 +85,13 @@ def submit(
 
     valid, invalid = validate(jobs_file, model, checker, lambda e: _say(e.format(jobs_file)))
     if invalid and not skip_invalid:
-        _say(
-            f"spec-submit: {jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
-            "enqueued (fix them, or pass --skip-invalid to run the valid lines)"
+        fail(
+            "spec-submit",
+            f"{jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
+            "enqueued (fix them, or pass --skip-invalid to run the valid lines)",
         )
-        sys.exit(1)
     if valid + invalid == 0:
-        _say(f"spec-submit: {jobs_file}: no requests (the file is empty)")
-        sys.exit(1)
+        fail("spec-submit", f"{jobs_file}: no requests (the file is empty)")
 
     report = enqueue_file(
         conn,
@@ -179,7 +145,7 @@ def _watch(conn, keys, batch_id: str, stream, name: str, redis_url: str | None) 
     try:
         with shown:
             return progress.follow(
-                lambda: progress.batch_status(conn, keys, batch_id), shown, config.WAIT_POLL_S
+                lambda: batches.status(conn, keys, batch_id), shown, config.WAIT_POLL_S
             )
     except KeyboardInterrupt:
         _say(f"{name}: stopped watching; batch {batch_id} goes on")
@@ -200,14 +166,14 @@ def _collected(counts: dict, output: str, errors_path: str | None) -> str:
 
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
-@_redis_option
+@redis_option
 @click.option("--json", "as_json", is_flag=True, help="Print the status object (FORMATS.md).")
 @click.option(
     "--watch",
     is_flag=True,
     help="Follow the batch until it is finished (live on a terminal, else a line at intervals).",
 )
-@_friendly_errors("spec-status")
+@friendly_errors("spec-status", batches.BatchError)
 def status(batch_id, redis_url, as_json, watch):
     """Show a batch's progress: counts, throughput, acceptance, ETA, workers, audit.
 
@@ -223,7 +189,7 @@ def status(batch_id, redis_url, as_json, watch):
     if watch:
         _watch(conn, keys, batch_id, sys.stdout, "spec-status", redis_url)
         return
-    state = progress.batch_status(conn, keys, batch_id)
+    state = batches.status(conn, keys, batch_id)
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return
@@ -263,7 +229,7 @@ def status(batch_id, redis_url, as_json, watch):
 
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
-@_redis_option
+@redis_option
 @click.option("-o", "--output", required=True, metavar="FILE", help="Results file to write.")
 @click.option(
     "--errors", "errors_path", metavar="FILE", help="Error lines file (default: into -o)."
@@ -277,7 +243,7 @@ def status(batch_id, redis_url, as_json, watch):
     help="Delete the batch from Redis once written (only when every line is final: "
     "nothing queued or running).",
 )
-@_friendly_errors("spec-collect")
+@friendly_errors("spec-collect", batches.BatchError)
 def collect(batch_id, redis_url, output, errors_path, order, delete):
     """Write a batch's result lines (and error lines) to files."""
     conn = connect(redis_url)
@@ -291,8 +257,8 @@ def collect(batch_id, redis_url, output, errors_path, order, delete):
 
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
-@_redis_option
-@_friendly_errors("spec-retry")
+@redis_option
+@friendly_errors("spec-retry", batches.BatchError)
 def retry(batch_id, redis_url):
     """Queue again the lines of a batch that ended in an error line."""
     conn = connect(redis_url)
@@ -302,8 +268,8 @@ def retry(batch_id, redis_url):
 
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
-@_redis_option
-@_friendly_errors("spec-cancel")
+@redis_option
+@friendly_errors("spec-cancel", batches.BatchError)
 def cancel(batch_id, redis_url):
     """Cancel a batch: waiting lines are removed (error code `cancelled`); running ones finish."""
     conn = connect(redis_url)

@@ -11,7 +11,7 @@ completes the batch. Until a submission of the batch completes, its `submitting`
 flag stays set and the batch cannot look finished.
 
 A batch may carry a TTL (`result_ttl` in its hash): every key of the batch gets it at
-submit time, and every line stored later renews it (producer.store), so a batch that
+submit time, and every line stored later renews it (jobstore.store), so a batch that
 nobody collects frees its memory by itself.
 """
 
@@ -29,17 +29,10 @@ from redis.exceptions import OutOfMemoryError
 from rq import Callback, Queue, Retry
 from rq.serializers import JSONSerializer
 
-from producer import config, store
-from producer.jobfile import JobLine, LineError, validate_file
-from producer.keys import Keys, job_id, line_key
-from producer.lines import dumps, error_line
-
-#: The one function workers run; they refuse jobs naming anything else.
-JOB_FUNCTION = "worker.jobs.run_request"
-#: Called by RQ when a job raised, timed out or was abandoned (writes the error line
-#: once no retries are left).
-FAILURE_CALLBACK = "worker.jobs.on_job_failure"
-
+from jobstore import config, store
+from jobstore.jobfile import JobLine, LineError, validate_file
+from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION, Keys, job_id, line_key
+from jobstore.lines import dumps, error_line
 
 #: While a file is being enqueued the batch is flagged for this long (refreshed per chunk).
 SUBMITTING_TTL_S = 600
@@ -47,18 +40,6 @@ SUBMITTING_TTL_S = 600
 
 class SubmitError(Exception):
     """The file cannot be submitted as asked; the message says why."""
-
-
-class InvalidJobFile(SubmitError):
-    """Some lines are invalid and --skip-invalid was not given: nothing was enqueued."""
-
-    def __init__(self, invalid_lines: int, valid_lines: int):
-        self.invalid_lines = invalid_lines
-        self.valid_lines = valid_lines
-        super().__init__(
-            f"{invalid_lines} invalid line(s), {valid_lines} valid: nothing was enqueued "
-            "(fix the lines, or pass --skip-invalid to run the valid ones)"
-        )
 
 
 class RedisFull(SubmitError):
@@ -100,35 +81,6 @@ class SubmitReport:
     already_pending: int = 0
     rerun: int = 0
     models: dict[str, int] = field(default_factory=dict)
-
-
-def new_batch_id() -> str:
-    """`batch_<UTC time>_<random>`: sortable, unique, safe in keys and job ids."""
-    return f"batch_{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}_{secrets.token_hex(3)}"
-
-
-def check_batch_id(batch_id: str) -> str:
-    if not config.ID_PATTERN.match(batch_id):
-        raise SubmitError(f"batch id must be 1 to 64 letters, digits, '_' or '-', got {batch_id!r}")
-    return batch_id
-
-
-def validate(
-    path: str,
-    model_override: str | None,
-    check: Callable[[JobLine], LineError | None] | None,
-    on_error: Callable[[LineError], None],
-) -> tuple[int, int]:
-    """First pass: report every problem through on_error; returns (valid, invalid) line
-    counts. Raises JobFileError when the file cannot be read."""
-    valid, invalid_lines = 0, set()
-    for item in validate_file(path, model_override, check):
-        if isinstance(item, LineError):
-            invalid_lines.add(item.line)
-            on_error(item)
-        else:
-            valid += 1
-    return valid, len(invalid_lines)
 
 
 def enqueue_file(
@@ -356,8 +308,8 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, total, tt
                 continue
             job = entry if entry.model else entry.with_model(default_model)
             if key in stale:  # forget an earlier run's RQ job before enqueueing anew
-                pipe.delete(f"rq:job:{stale[key]}")
-                pipe.zrem(f"rq:failed:{keys.queue_name(job.model)}", stale[key])
+                pipe.delete(keys.rq_job(stale[key]))
+                pipe.zrem(keys.rq_failed(job.model), stale[key])
             pipe.hset(keys.requests(batch_id), key, dumps(job.to_record()))
             pipe.hset(keys.batch(batch_id), f"model:{job.model}", 1)
             jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))

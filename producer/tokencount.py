@@ -17,14 +17,14 @@ from __future__ import annotations
 
 import json
 import re
-from pathlib import Path
 
 from redis import Redis
 
-from producer.jobfile import JobLine, LineError
-from producer.keys import Keys
+from jobstore import config
+from jobstore.jobfile import JobLine, LineError
+from jobstore.keys import Keys
 
-DEMO_TARGET_DIR = Path(__file__).resolve().parent.parent / "engine" / "demo" / "target"
+DEMO_TARGET_DIR = config.DEMO_PAIR_DIR / "target"
 
 
 class _Model:
@@ -89,7 +89,11 @@ class ContextChecker:
             fields = self._conn.hmget(self._keys.model(alias), "tokenizer_json", "context_length")
             if fields[1] is not None:
                 tokenizer_json, context = fields[0], int(fields[1])
-        if context is None and alias == "demo" and (DEMO_TARGET_DIR / "config.json").is_file():
+        if (
+            context is None
+            and alias == config.DEFAULT_MODEL
+            and (DEMO_TARGET_DIR / "config.json").is_file()
+        ):
             cfg = json.loads((DEMO_TARGET_DIR / "config.json").read_text())
             context = _context_length(cfg)
             path = DEMO_TARGET_DIR / "tokenizer.json"

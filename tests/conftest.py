@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from producer.keys import Keys
+from jobstore.keys import Keys
 
 BIN = Path(sys.executable).parent
 

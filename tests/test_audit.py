@@ -12,9 +12,10 @@ from click.testing import CliRunner
 
 import engine
 import engine.core
-from producer import cli, store
-from producer.jobfile import parse_line
-from producer.lines import dumps
+from jobstore import store
+from jobstore.jobfile import parse_line
+from jobstore.lines import dumps
+from producer import cli
 from worker import audit
 from worker.execute import execute as run_line
 

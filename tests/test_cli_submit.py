@@ -12,8 +12,8 @@ import pytest
 from click.testing import CliRunner
 from test_jobfile import BAD_LINES, GOOD, GOOD_AFTER
 
+from jobstore.keys import job_id
 from producer import cli
-from producer.keys import job_id
 
 
 def _keys_of(env) -> list[bytes]:
@@ -84,7 +84,7 @@ def test_bad_line_is_reported_and_nothing_is_enqueued(redis_env, tmp_path, kind,
     lines = result.stderr.splitlines()
     assert lines[: len(expected)] == [f"{path}:2: {m}" for m in expected]
     assert lines[len(expected)] == (
-        f"spec-submit: {path}: 1 invalid line(s), 2 valid: nothing was enqueued "
+        f"spec-submit: error: {path}: 1 invalid line(s), 2 valid: nothing was enqueued "
         "(fix them, or pass --skip-invalid to run the valid lines)"
     )
     assert result.stdout == ""
@@ -215,7 +215,7 @@ def test_unreachable_redis_is_one_line_with_the_password_redacted(tmp_path, monk
         result = subprocess.run(
             [script(command), *args, "--redis", url], capture_output=True, text=True, timeout=60
         )
-        assert result.returncode == 1, (command, result.stderr)
+        assert result.returncode == 3, (command, result.stderr)
         assert result.stderr.startswith(
             f"{command}: error: cannot reach Redis at redis://:***@127.0.0.1:1/0: "
         ), result.stderr
@@ -224,7 +224,7 @@ def test_unreachable_redis_is_one_line_with_the_password_redacted(tmp_path, monk
 
 
 def test_redis_url_comes_from_the_environment(tmp_path, monkeypatch):
-    from producer import config
+    from jobstore import config
 
     monkeypatch.delenv("SPEC_REDIS_URL", raising=False)
     monkeypatch.delenv("REDIS_URL", raising=False)

@@ -16,8 +16,10 @@ from rq.registry import StartedJobRegistry
 from test_queue import read_jsonl
 from test_queue_store import _fake_result, _submit_lines
 
-from producer import cli, report, store
-from producer.lines import dumps
+from jobstore import store
+from jobstore.lines import dumps
+from producer import cli
+from reporting import report
 
 
 def _finished_batch(redis_env, tmp_path, n: int = 3, pad: int = 0) -> str:

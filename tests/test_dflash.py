@@ -27,8 +27,8 @@ from engine.dflash import (
     load_dflash,
     save_dflash,
 )
+from engine.families import make_ragged_cache
 from engine.loading import DEMO_DIR
-from engine.ragged import make_ragged_cache
 from engine.types import ModelLoadError
 
 VOCAB = 96

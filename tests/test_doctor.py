@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 from tiny_models import build_llama, build_tokenizer
 
-from producer.config import redact
+from jobstore.config import redact
 from worker.doctor import kv_cache_bytes, main, model_size
 
 

@@ -17,8 +17,7 @@ from tiny_families import WINDOW, build_model, family_pair, tokenizer_dir
 from tiny_models import reference_greedy
 
 import engine
-from engine.families import UnsupportedModelError, check_model
-from engine.ragged import make_ragged_cache
+from engine.families import UnsupportedModelError, check_model, make_ragged_cache
 from engine.recurrent import RecurrentLayerCache
 
 # (target family, draft family, bits): a hybrid draft (qwen3_5) drafts for lfm2.

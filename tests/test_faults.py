@@ -28,7 +28,7 @@ from redis import Redis
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from test_queue import _collect, read_jsonl, write_jobs
 
-from producer.keys import Keys
+from jobstore.keys import Keys
 
 #: A dead worker's job is noticed within about the TTL (scores are whole seconds).
 FAST_HEARTBEAT = {"SPEC_HEARTBEAT_INTERVAL_S": "0.2", "SPEC_HEARTBEAT_TTL_S": "1"}
@@ -509,7 +509,7 @@ def test_ten_thousand_lines_with_one_percent_malformed(redis_env, start_worker, 
     for number, message in bad.items():
         assert any(message in x for x in reported[number]), (number, reported[number])
     assert stderr.splitlines()[-1] == (
-        f"spec-submit: {path}: {len(bad)} invalid line(s), {len(valid)} valid: nothing was "
+        f"spec-submit: error: {path}: {len(bad)} invalid line(s), {len(valid)} valid: nothing was "
         "enqueued (fix them, or pass --skip-invalid to run the valid lines)"
     )
     assert redis_env.conn.exists(redis_env.keys.batch(batch)) == 0  # nothing enqueued

@@ -7,10 +7,10 @@ import json
 
 import pytest
 
-from producer import config
-from producer.jobfile import LineError, validate_file
-from producer.lines import effective_seed, error_line, result_line
-from producer.store import spec_summary
+from jobstore import config
+from jobstore.jobfile import LineError, validate_file
+from jobstore.lines import effective_seed, error_line, result_line
+from jobstore.store import spec_summary
 
 GOOD = '{"custom_id": "row-1", "prompt": "def f(x):", "max_tokens": 4}'
 GOOD_AFTER = '{"custom_id": "row-3", "messages": [{"role": "user", "content": "hi"}]}'
@@ -298,7 +298,7 @@ def test_bom_crlf_and_blank_lines_keep_physical_line_numbers(tmp_path):
 
 
 def test_missing_file_is_one_clear_error(tmp_path):
-    from producer.jobfile import JobFileError
+    from jobstore.jobfile import JobFileError
 
     with pytest.raises(JobFileError, match="nope.jsonl: cannot read: No such file or directory"):
         list(validate_file(str(tmp_path / "nope.jsonl")))
@@ -451,7 +451,7 @@ def test_summed_counters_match_the_engine_arithmetic():
     from dataclasses import asdict
 
     from engine.types import SpecStats
-    from producer.store import result_counters
+    from jobstore.store import result_counters
 
     a, b = SpecStats(drafter="model"), SpecStats(drafter="model")
     for proposed, accepted, emitted in [(4, 2, 3), (4, 4, 5), (2, 0, 1)]:

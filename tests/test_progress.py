@@ -20,7 +20,7 @@ from rich.console import Console
 
 import engine
 from producer import cli
-from producer.progress import Progress, RunProgress, duration, follow, plain_line
+from reporting.progress import Progress, RunProgress, duration, follow, plain_line
 
 ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 

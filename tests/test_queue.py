@@ -15,7 +15,7 @@ from rq import Callback, Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
 
-from producer import keys as key_layout
+from jobstore import keys as key_layout
 
 PROMPTS = [
     "def fibonacci(n):",

@@ -13,7 +13,7 @@ from rq.registry import StartedJobRegistry
 from test_queue import LONG, _collect, comparable, mixed_lines, read_jsonl, write_jobs
 from test_queue_liveness import HEARTBEAT
 
-from producer.keys import job_id
+from jobstore.keys import job_id
 
 
 def _peak(log: str) -> int:

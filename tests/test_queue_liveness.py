@@ -11,7 +11,7 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 from test_queue import LONG, _collect, _wait_running, read_jsonl, write_jobs
 
-from producer.keys import job_id
+from jobstore.keys import job_id
 
 HEARTBEAT = {"SPEC_HEARTBEAT_INTERVAL_S": "0.2", "SPEC_HEARTBEAT_TTL_S": "1"}
 

@@ -7,8 +7,9 @@ import json
 
 from click.testing import CliRunner
 
-from producer import batches, cli, config, store
-from producer.lines import dumps, error_line
+from jobstore import config, store
+from jobstore.lines import dumps, error_line
+from producer import batches, cli
 
 
 def _submit_lines(redis_env, tmp_path, n: int) -> str:
@@ -127,3 +128,20 @@ def test_collect_streams_in_chunks_in_input_or_completion_order(redis_env, tmp_p
         == f"spec-collect: error: batch {batch} is not finished (3 queued): collect without "
         "--delete, or wait\n"
     )
+
+
+def test_rq_key_names_are_rqs_own(redis_env):
+    """The RQ keys the store deletes and the submit-time classification reads are the
+    keys RQ itself writes: a job's hash and its queue's failed-job registry."""
+    from rq import Queue
+    from rq.registry import FailedJobRegistry
+    from rq.serializers import JSONSerializer
+
+    keys = redis_env.keys
+    queue = Queue(keys.queue_name("demo"), connection=redis_env.conn, serializer=JSONSerializer)
+    job = queue.enqueue("json.dumps", [1], job_id="keytest-1")
+    job_key = job.key.decode() if isinstance(job.key, bytes) else job.key
+    assert keys.rq_job("keytest-1") == job_key == "rq:job:keytest-1"
+    registry = FailedJobRegistry(queue=queue)
+    assert keys.rq_failed("demo") == registry.key == f"rq:failed:{keys.prefix}:demo"
+    job.delete()

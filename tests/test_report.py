@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from engine.types import SpecStats
-from producer.report import Line, main, read_jsonl, summarize, throughput_series
+from reporting.report import Line, main, read_jsonl, summarize, throughput_series
 
 T0 = 1764460800
 PLOTS = (
@@ -249,9 +249,9 @@ def _free_port() -> int:
 
 
 def test_report_from_a_batch_in_redis(redis_url, files, tmp_path, monkeypatch):
-    from producer import store
-    from producer.connection import connect
-    from producer.keys import Keys
+    from jobstore import store
+    from jobstore.connection import connect
+    from jobstore.keys import Keys
 
     monkeypatch.setenv("SPEC_KEY_PREFIX", f"report{os.getpid()}")
     conn, keys = connect(redis_url), Keys.default()
@@ -272,7 +272,7 @@ def test_report_from_a_batch_in_redis(redis_url, files, tmp_path, monkeypatch):
 
 def test_redis_down_is_one_clear_line(tmp_path):
     res = _run(["b1", "--redis", f"redis://:pw@127.0.0.1:{_free_port()}/0", "-o", "x.html"])
-    assert res.exit_code == 1
+    assert res.exit_code == 3
     assert "cannot reach Redis at redis://:***@127.0.0.1" in res.output and "pw" not in res.output
 
 

@@ -18,7 +18,7 @@ from rq.serializers import JSONSerializer
 from test_faults import private_redis  # noqa: F401 - a fixture
 from test_queue import _collect, read_jsonl, write_jobs
 
-from producer.submit import JOB_FUNCTION
+from jobstore.keys import JOB_FUNCTION
 
 LINES = [
     {"custom_id": "a", "prompt": "def f(x):", "max_tokens": 3},
@@ -116,17 +116,17 @@ def test_a_password_protected_redis_works_and_the_password_never_shows(
 
     # Wrong or missing password: one line, nothing secret in it.
     wrong = url.replace(password, "not" + password)
-    res = run("spec-status", batch, "--redis", wrong, code=1)
+    res = run("spec-status", batch, "--redis", wrong, code=3)
     assert res.stderr == (
         f"spec-status: error: cannot reach Redis at {masked}: "
         "invalid username-password pair or user is disabled.\n"
     )
-    res = run("spec-status", batch, "--redis", f"redis://127.0.0.1:{server.port}/0", code=1)
+    res = run("spec-status", batch, "--redis", f"redis://127.0.0.1:{server.port}/0", code=3)
     assert res.stderr == (
         f"spec-status: error: cannot reach Redis at redis://127.0.0.1:{server.port}/0: this Redis "
         "requires a password: put it in the URL, redis://:PASSWORD@host:port/0\n"
     )
-    res = run("spec-worker", "--burst", "--redis", wrong, *PAIR_ARGS, code=1)
+    res = run("spec-worker", "--burst", "--redis", wrong, *PAIR_ARGS, code=3)
     assert len(res.stderr.splitlines()) == 1
     _no_secret(password, worker.log, *outputs)
 
@@ -178,7 +178,7 @@ def test_redis_over_tls_with_a_password_works_end_to_end(
     del env.env["SSL_CERT_FILE"]
     # ... and without it, an unknown certificate is refused in one line.
     refused = env.run("spec-status", batch, "--redis", bare)
-    assert refused.returncode == 1
+    assert refused.returncode == 3
     assert refused.stderr.startswith(
         f"spec-status: error: cannot reach Redis at rediss://:***@127.0.0.1:{server.port}/0: "
     )
@@ -187,7 +187,7 @@ def test_redis_over_tls_with_a_password_works_end_to_end(
     plain = env.run(
         "spec-status", batch, "--redis", f"redis://:{password}@127.0.0.1:{server.port}/0"
     )
-    assert plain.returncode == 1 and len(plain.stderr.splitlines()) == 1
+    assert plain.returncode == 3 and len(plain.stderr.splitlines()) == 1
     _no_secret(password, worker.log, status.stdout, status.stderr, refused.stderr, plain.stderr)
 
 

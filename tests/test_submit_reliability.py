@@ -12,7 +12,8 @@ from click.testing import CliRunner
 from conftest import PAIR_ARGS, script
 from test_faults import private_redis  # noqa: F401 - a fixture
 
-from producer import cli, config
+from jobstore import config
+from producer import cli
 from producer.tokencount import WINDOW_CHARS
 
 FULL_REDIS = ("--save", "", "--appendonly", "no", "--maxmemory", "4mb")

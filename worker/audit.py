@@ -1,7 +1,8 @@
 """Audit mode (`spec-worker --audit RATE`): check losslessness in production.
 
-A random share RATE of greedy requests is run a second time target-only (drafter
-"none", same pair, same request) and the two outputs are compared token by token.
+A random share RATE of greedy requests (temperature 0, or one so small that the engine
+runs it as greedy) is run a second time target-only (drafter "none", same pair, same
+request) and the two outputs are compared token by token.
 Greedy speculative decoding must reproduce target-only decoding exactly, so any
 difference is a bug (or a numerical tie the verify pass broke differently): it is
 logged with the line, and counted in the batch hash (`audit_checked`,
@@ -21,7 +22,8 @@ import random
 from dataclasses import dataclass, field
 
 import engine
-from producer.progress import AUDIT_CHECKED, AUDIT_MISMATCHES
+from engine.sampling import SamplingParams
+from jobstore.keys import AUDIT_CHECKED, AUDIT_MISMATCHES
 
 log = logging.getLogger("specfleet.audit")
 
@@ -29,8 +31,9 @@ __all__ = ["Auditor", "audit", "audit_counters", "get_auditor", "maybe_audit", "
 
 
 def auditable(request: engine.GenerationRequest) -> bool:
-    """Greedy requests that speculate: only those have one right answer to compare."""
-    return request.temperature == 0 and request.drafter != "none"
+    """Greedy requests that speculate: only those have one right answer to compare
+    (a temperature too small for float32's 1/T runs as greedy, so it counts too)."""
+    return SamplingParams(request.temperature).greedy and request.drafter != "none"
 
 
 def audit(pair, request: engine.GenerationRequest, result: engine.GenerationResult) -> bool:

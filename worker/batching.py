@@ -12,8 +12,8 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 import engine
-from producer.jobfile import JobLine
-from producer.lines import effective_seed
+from jobstore.jobfile import JobLine
+from jobstore.lines import effective_seed
 from worker.execute import Outcome, outcome_of, to_request
 
 

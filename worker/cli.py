@@ -1,9 +1,10 @@
 """Console scripts of a machine that generates: spec-worker (queue) and spec-run (local).
 
-Exit codes: 0 done (spec-worker: also after a first SIGTERM, once the current job is
-finished); 1 the request could not be done (invalid job file, model not loadable,
-Redis unreachable; one line on stderr says why); 2 bad usage; 128 + signal number
-after a second stop signal (the running job was put back in its queue).
+Errors and exit codes follow jobstore.options: `<command>: error: <message>` on stderr;
+0 done (spec-worker: also after a first SIGTERM, once the current job is finished);
+1 the request could not be done (invalid job file, model not loadable); 2 bad usage;
+3 Redis unreachable; 128 + signal number after a second stop signal (the running job
+was put back in its queue).
 """
 
 from __future__ import annotations
@@ -18,26 +19,22 @@ import click
 import redis
 from rq.serializers import JSONSerializer
 
-from producer import config
-from producer.connection import (
+from jobstore import config
+from jobstore.connection import (
     RedisUnavailable,
     connect,
     warn_if_evicting,
 )
-from producer.jobfile import JobFileError
-from producer.keys import Keys
-from producer.submit import SubmitError, check_batch_id, new_batch_id, validate
+from jobstore.errors import BatchIdError
+from jobstore.jobfile import JobFileError, validate
+from jobstore.keys import Keys, check_batch_id, new_batch_id
+from jobstore.options import EXIT_REDIS, fail, pair_options, redis_option
 
 log = logging.getLogger("specfleet.worker")
 
 
 def _say(message: str) -> None:
     click.echo(message, err=True)
-
-
-def _fail(name: str, message: str) -> None:
-    _say(f"{name}: error: {message}")
-    sys.exit(1)
 
 
 def _setup_logging(level: str) -> None:
@@ -54,29 +51,12 @@ def _load_pair(name: str, target: str | None, draft: str | None):
     try:
         return engine.load_pair(target, draft)
     except engine.EngineError as exc:
-        _fail(name, f"cannot load the model pair: {exc}")
-
-
-def _pair_options(func):
-    """--target and --draft, the same for spec-worker and spec-run."""
-    func = click.option(
-        "--draft",
-        metavar="DIR_OR_ID",
-        help="Draft model (default: the demo draft with the demo target).",
-    )(func)
-    return click.option(
-        "--target", metavar="DIR_OR_ID", help="Target model (default: the bundled demo target)."
-    )(func)
+        fail(name, f"cannot load the model pair: {exc}")
 
 
 @click.command()
-@click.option(
-    "--redis",
-    "redis_url",
-    metavar="URL",
-    help="Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL, else redis://localhost:6379/0]",
-)
-@_pair_options
+@redis_option
+@pair_options
 @click.option(
     "--alias", metavar="NAME", help="Model alias to serve (default: the pair's name, e.g. demo)."
 )
@@ -126,7 +106,7 @@ def worker(
     try:
         conn = connect(url)
     except RedisUnavailable as exc:
-        _fail("spec-worker", str(exc))
+        fail("spec-worker", str(exc), EXIT_REDIS)
     # A full Redis is waited out like an outage: results are held, not dropped.
     conn.set_retry(WaitWhileFull(url, config.RECONNECT_BASE_S, config.reconnect_cap_s()))
     pair = _load_pair("spec-worker", target, draft)
@@ -170,7 +150,7 @@ def worker(
     if spec_worker.cold_signum is not None:
         sys.exit(128 + spec_worker.cold_signum)
     if crash.message:
-        _fail("spec-worker", crash.message)
+        fail("spec-worker", crash.message)
 
 
 class _CrashWatch(logging.Filter):
@@ -230,7 +210,7 @@ def _tokenizer_json(pair) -> str | None:
 @click.option(
     "--errors", "errors_path", metavar="FILE", help="Error lines file (default: into -o)."
 )
-@_pair_options
+@pair_options
 @click.option(
     "--model", metavar="ALIAS", help="Run every line on the loaded pair, whatever its model says."
 )
@@ -261,27 +241,27 @@ def run(
     _setup_logging("WARNING")
     try:
         batch_id = check_batch_id(batch_id) if batch_id else new_batch_id()
-    except SubmitError as exc:
-        _fail("spec-run", str(exc))
+    except BatchIdError as exc:
+        fail("spec-run", str(exc))
     pair = _load_pair("spec-run", target, draft)
     alias = alias or model or pair.name
     check = context_check(pair, alias)
     try:
         valid, invalid = validate(jobs_file, model, check, lambda e: _say(e.format(jobs_file)))
     except JobFileError as exc:
-        _fail("spec-run", str(exc))
+        fail("spec-run", str(exc))
     if invalid and not skip_invalid:
-        _fail(
+        fail(
             "spec-run",
             f"{jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was run "
             "(fix them, or pass --skip-invalid to run the valid lines)",
         )
     if valid + invalid == 0:
-        _fail("spec-run", f"{jobs_file}: no requests (the file is empty)")
+        fail("spec-run", f"{jobs_file}: no requests (the file is empty)")
     out = open(output, "wb")
     errors_out = open(errors_path, "wb") if errors_path else out
     try:
-        from producer.progress import RunProgress
+        from reporting.progress import RunProgress
 
         with RunProgress(valid + invalid, batch_id, in_flight=max_batch, model=alias) as shown:
             summary = run_file(

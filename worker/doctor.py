@@ -73,8 +73,8 @@ def check_redis(url: str | None) -> list[Check]:
         ]
     import redis
 
-    from producer.config import redact
-    from producer.connection import RedisUnavailable, connect
+    from jobstore.config import redact
+    from jobstore.connection import RedisUnavailable, connect
 
     try:
         conn = connect(url)

@@ -13,9 +13,9 @@ import time
 from dataclasses import dataclass
 
 import engine
-from producer.jobfile import JobLine
-from producer.lines import effective_seed, error_line, result_line
-from producer.store import result_counters
+from jobstore.jobfile import JobLine
+from jobstore.lines import effective_seed, error_line, result_line
+from jobstore.store import result_counters
 from worker.audit import audit_counters, get_auditor
 
 

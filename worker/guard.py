@@ -22,8 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 from rq.job import Job
 
-from producer import config
-from producer.submit import FAILURE_CALLBACK, JOB_FUNCTION
+from jobstore import config
+from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION
 from worker import rqcompat
 
 if TYPE_CHECKING:

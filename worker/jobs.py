@@ -19,10 +19,10 @@ from redis import Redis
 from rq.exceptions import AbandonedJobError
 from rq.timeouts import JobTimeoutException
 
-from producer import config, store
-from producer.jobfile import JobLine
-from producer.keys import Keys
-from producer.lines import dumps, error_line
+from jobstore import config, store
+from jobstore.jobfile import JobLine
+from jobstore.keys import Keys
+from jobstore.lines import dumps, error_line
 from worker.execute import Outcome, execute, failure
 
 log = logging.getLogger("specfleet.worker")

@@ -16,8 +16,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import engine
-from producer.jobfile import JobLine, LineError, validate_file
-from producer.lines import dumps, error_line
+from jobstore.jobfile import JobLine, LineError, validate_file
+from jobstore.lines import dumps, error_line
 from worker.batching import run_lines
 from worker.execute import Outcome, execute, failure, to_request
 

@@ -2,7 +2,7 @@
 
 The worker holds what it was writing (a result, RQ's bookkeeping, a heartbeat) and
 tries again with capped exponential back-off until Redis accepts writes, as it does
-while Redis is unreachable (producer.connection): nothing is lost and no job's retry is
+while Redis is unreachable (jobstore.connection): nothing is lost and no job's retry is
 spent. One warning when Redis fills up and one when it accepts writes again, however
 many commands and threads wait. Reads go on meanwhile. A stop signal ends the waiting
 like an outage's (`interrupt`).
@@ -16,7 +16,7 @@ import time
 
 from redis.exceptions import OutOfMemoryError
 
-from producer.connection import ReconnectingRetry
+from jobstore.connection import ReconnectingRetry
 
 log = logging.getLogger("specfleet.redis")
 

@@ -24,7 +24,7 @@ import time
 from rq.queue import Queue
 from rq.timeouts import JobTimeoutException
 
-from producer.jobfile import JobLine
+from jobstore.jobfile import JobLine
 from worker import rqcompat
 from worker.batching import run_lines
 from worker.guard import Heartbeat, SafeJob, vet

@@ -41,8 +41,8 @@ from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.timeouts import BaseDeathPenalty
 from rq.worker import WorkerStatus
 
-from producer import config
-from producer.connection import ReconnectingRetry
+from jobstore import config
+from jobstore.connection import ReconnectingRetry
 from worker import rqcompat
 from worker.guard import ColdShutdown, Heartbeat, SafeJob, vet
 from worker.rqbatch import BatchSession
@@ -207,7 +207,7 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
         self.reap(force=True)
 
     # -- stopping ---------------------------------------------------------------------
-    # The connection retries for ever while Redis is away (producer.connection). A first
+    # The connection retries for ever while Redis is away (jobstore.connection). A first
     # stop signal to a busy worker keeps it waiting, so the job's result is stored when
     # Redis is back; a stop signal to an idle worker, or a second one, ends the waiting.
 

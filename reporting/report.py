@@ -10,13 +10,15 @@ from __future__ import annotations
 import html
 import json
 import math
-import sys
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import click
+
+from jobstore import stats
+from jobstore.options import fail, friendly_errors, redis_option
 
 #: Worker name for lines that do not say which worker ran them (e.g. `spec-run`).
 LOCAL_WORKER = "local"
@@ -112,16 +114,18 @@ def read_batch(
     conn, keys, batch_id: str, chunk: int = 500, warn: Callable[[str], None] | None = None
 ) -> Iterator[Line]:
     """The lines a batch has written so far, in the order they were written, from
-    the `results`/`errors` hashes and the `done` list of producer.keys. A damaged stored
+    the `results`/`errors` hashes and the `done` list of jobstore.keys. A damaged stored
     line (not JSON, or not a result or error line) counts as an `internal_error` line,
     and `warn` is called with its key and field. Raises ReportError (unknown batch, a
     key of the wrong type)."""
     import redis
 
-    from producer.batches import CorruptBatch, check_key_types
+    from jobstore.store import wrong_key_type
 
     try:
-        check_key_types(conn, keys, batch_id)
+        problem = wrong_key_type(conn, keys, batch_id)
+        if problem:
+            raise ReportError(f"batch {batch_id}: {problem}")
         if not conn.exists(keys.batch(batch_id)):
             raise ReportError(f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r})")
         start = 0
@@ -138,7 +142,7 @@ def read_batch(
                 if raw is not None:
                     yield _stored_line(raw, key(batch_id), line_key, warn)
             start += chunk
-    except (CorruptBatch, redis.exceptions.ResponseError) as exc:
+    except redis.exceptions.ResponseError as exc:
         raise ReportError(f"batch {batch_id}: {exc}") from exc
 
 
@@ -168,7 +172,7 @@ class Summary:
     generation_s: float = 0.0
     wall_s: float = 0.0
     num_spec_steps: int = 0
-    num_emitted_tokens: float = 0.0
+    num_emitted_tokens: int = 0
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     acceptance_histogram: list[int] = field(default_factory=list)
@@ -191,18 +195,16 @@ class Summary:
 
     @property
     def draft_acceptance_rate(self) -> float:
-        n = self.num_draft_tokens
-        return self.num_accepted_draft_tokens / n if n else 0.0
+        return stats.rate(self.num_accepted_draft_tokens, self.num_draft_tokens)
 
     @property
     def mean_acceptance_length(self) -> float:
-        steps = self.num_spec_steps
-        return self.num_emitted_tokens / steps if steps else 0.0
+        return stats.rate(self.num_emitted_tokens, self.num_spec_steps)
 
     @property
     def per_position_acceptance(self) -> list[float]:
         return [
-            a / d if d else 0.0
+            stats.rate(a, d)
             for a, d in zip(self.accepted_per_position, self.draft_tokens_per_position, strict=True)
         ]
 
@@ -220,23 +222,6 @@ def _add(into: list, values: Iterable) -> None:
         into.extend([0] * (len(values) - len(into)))
     for i, v in enumerate(values):
         into[i] += v
-
-
-def _position_counts(spec: dict) -> tuple[list[int], list[int]]:
-    """(proposed, accepted) draft tokens per position of one line. Uses
-    `draft_tokens_per_position` when present; otherwise the accepted counts come from
-    the histogram (a step accepting j tokens accepted positions 0..j-1) and the
-    proposed counts from accepted / per_position_acceptance."""
-    ppa = [float(x) for x in spec.get("per_position_acceptance") or []]
-    dpp = spec.get("draft_tokens_per_position")
-    if dpp is not None:
-        dpp = [int(x) for x in dpp]
-        ppa = (ppa + [0.0] * len(dpp))[: len(dpp)]
-        return dpp, [round(p * d) for p, d in zip(ppa, dpp, strict=True)]
-    hist = [int(x) for x in spec.get("acceptance_histogram") or []]
-    accepted = [sum(hist[i + 1 :]) for i in range(len(ppa))]
-    steps = int(spec.get("num_spec_steps") or 0)
-    return [round(a / p) if p else steps for a, p in zip(accepted, ppa, strict=True)], accepted
 
 
 def summarize(lines: Iterable[Line]) -> Summary:
@@ -261,16 +246,15 @@ def summarize(lines: Iterable[Line]) -> Summary:
         spec = line.spec
         if not spec:
             continue
-        steps = int(spec.get("num_spec_steps") or 0)
-        s.drafters[spec.get("drafter", "none")] += 1
-        s.num_spec_steps += steps
-        s.num_emitted_tokens += float(spec.get("mean_acceptance_length") or 0.0) * steps
-        s.num_draft_tokens += int(spec.get("num_draft_tokens") or 0)
-        s.num_accepted_draft_tokens += int(spec.get("num_accepted_draft_tokens") or 0)
-        _add(s.acceptance_histogram, (int(x) for x in spec.get("acceptance_histogram") or []))
-        proposed, accepted = _position_counts(spec)
-        _add(s.draft_tokens_per_position, proposed)
-        _add(s.accepted_per_position, accepted + [0] * (len(proposed) - len(accepted)))
+        counts = stats.counters_of_line(spec, line.completion_tokens)
+        s.drafters[counts["drafter"]] += 1
+        s.num_spec_steps += counts["num_spec_steps"]
+        s.num_emitted_tokens += counts["num_emitted_tokens"]
+        s.num_draft_tokens += counts["num_draft_tokens"]
+        s.num_accepted_draft_tokens += counts["num_accepted_draft_tokens"]
+        _add(s.acceptance_histogram, counts["acceptance_histogram"])
+        _add(s.draft_tokens_per_position, counts["draft_tokens_per_position"])
+        _add(s.accepted_per_position, counts["accepted_per_position"])
         _add(s.accepted_per_position, [0] * len(s.draft_tokens_per_position))
     if last_end > first_start:
         s.wall_s = last_end - first_start
@@ -614,13 +598,9 @@ def render(lines: list[Line], title: str = "specfleet batch report") -> str:
     "--results", "results_path", metavar="FILE", help="Local results.jsonl (instead of BATCH)."
 )
 @click.option("--errors", "errors_path", metavar="FILE", help="Local errors.jsonl, with --results.")
-@click.option(
-    "--redis",
-    "redis_url",
-    metavar="URL",
-    help="Redis URL [default: $SPEC_REDIS_URL, else $REDIS_URL].",
-)
+@redis_option
 @click.option("-o", "--output", required=True, metavar="FILE", help="HTML file to write.")
+@friendly_errors("spec-report", ReportError)
 def main(batch_id, results_path, errors_path, redis_url, output):
     """Write a one-file HTML report (summary, per-worker table, plots) for BATCH in
     Redis, or for local result lines with --results [--errors]."""
@@ -628,25 +608,20 @@ def main(batch_id, results_path, errors_path, redis_url, output):
         raise click.UsageError("give either BATCH or --results FILE")
     if errors_path and not results_path:
         raise click.UsageError("--errors goes with --results")
-    try:
-        if results_path:
-            lines = list(read_jsonl(results_path))
-            if errors_path:
-                lines += list(read_jsonl(errors_path))
-            title = f"specfleet report: {results_path}"
-        else:
-            lines = _batch_lines(batch_id, redis_url)
-            title = f"specfleet report: batch {batch_id}"
-    except ReportError as exc:
-        click.echo(f"spec-report: error: {exc}", err=True)
-        sys.exit(1)
+    if results_path:
+        lines = list(read_jsonl(results_path))
+        if errors_path:
+            lines += list(read_jsonl(errors_path))
+        title = f"specfleet report: {results_path}"
+    else:
+        lines = _batch_lines(batch_id, redis_url)
+        title = f"specfleet report: batch {batch_id}"
     page = render(lines, title)
     try:
         with open(output, "w", encoding="utf-8") as f:
             f.write(page)
     except OSError as exc:
-        click.echo(f"spec-report: error: {output}: cannot write: {exc.strerror}", err=True)
-        sys.exit(1)
+        fail("spec-report", f"{output}: cannot write: {exc.strerror}")
     s = summarize(lines)
     click.echo(
         f"wrote {output}: {s.requests} requests, {s.failed} failed, "
@@ -656,13 +631,10 @@ def main(batch_id, results_path, errors_path, redis_url, output):
 
 
 def _batch_lines(batch_id: str, redis_url: str | None) -> list[Line]:
-    from producer.connection import RedisUnavailable, connect
-    from producer.keys import Keys
+    from jobstore.connection import connect
+    from jobstore.keys import Keys
 
-    try:
-        conn = connect(redis_url)
-    except RedisUnavailable as exc:
-        raise ReportError(str(exc)) from exc
+    conn = connect(redis_url)
 
     def warn(message: str) -> None:
         click.echo(f"spec-report: warning: {message}", err=True)

@@ -11,7 +11,7 @@ import hashlib
 import json
 import time
 
-from producer.jobfile import JobLine
+from jobstore.jobfile import JobLine
 
 #: Error codes of FORMATS.md.
 ERROR_CODES = (

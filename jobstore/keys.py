@@ -6,7 +6,8 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
                                models, cancelled, result_ttl, started_at, last_done_at,
                                completed_at, completed, failed, prompt_tokens, completion_tokens,
                                busy_ms, sd:<counter>, sd:hist:<i>, sd:dpp:<i>,
-                               sd:app:<i>, sd:drafter:<name>)
+                               sd:app:<i>, sd:drafter:<name>, audit_checked,
+                               audit_mismatches)
     P:batch:B:requests   hash  line key -> the validated line (JobLine record, JSON)
     P:batch:B:order      zset  line key -> line number (every line, valid or not)
     P:batch:B:results    hash  line key -> result line (JSON), written once
@@ -23,7 +24,8 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
     P:refused            list  reports of jobs a worker refused to run (newest first)
 
 RQ's own keys: queue `P:A` (so `rq:queue:P:A`), jobs `rq:job:B-<digest>-<line>`
-(see `job_id`).
+(see `job_id`), failed jobs `rq:failed:P:A`. Their names come from RQ's own classes
+(`Keys.rq_job`, `Keys.rq_failed`), never spelled by hand elsewhere.
 
 A line key is `c:<custom_id>`, or `l:<line>` for a rejected line whose custom_id is
 missing, invalid or a duplicate: one result or error per key, ever.
@@ -33,9 +35,41 @@ from __future__ import annotations
 
 import hashlib
 import re
+import secrets
+import time
 from dataclasses import dataclass
 
-from producer import config
+from rq.job import Job
+from rq.registry import FailedJobRegistry
+
+from jobstore import config
+from jobstore.errors import BatchIdError
+
+#: The one function workers run; they refuse jobs naming anything else.
+JOB_FUNCTION = "worker.jobs.run_request"
+#: Called by RQ when a job raised, timed out or was abandoned (writes the error line
+#: once no retries are left).
+FAILURE_CALLBACK = "worker.jobs.on_job_failure"
+
+#: Batch hash fields of audit mode (`spec-worker --audit RATE`): requests re-run
+#: target-only, and how many of them came out different from the speculative output.
+AUDIT_CHECKED = "audit_checked"
+AUDIT_MISMATCHES = "audit_mismatches"
+
+
+def new_batch_id() -> str:
+    """`batch_<UTC time>_<random>`: sortable, unique, safe in keys and job ids."""
+    return f"batch_{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}_{secrets.token_hex(3)}"
+
+
+def check_batch_id(batch_id: str) -> str:
+    """The batch id, if it is safe in keys and RQ job ids; raises BatchIdError."""
+    if not config.ID_PATTERN.match(batch_id):
+        raise BatchIdError(
+            f"batch id must be 1 to 64 letters, digits, '_' or '-', got {batch_id!r}"
+        )
+    return batch_id
+
 
 #: Hex digits of a line key's SHA-256 in its job id (64 bits: no collision in practice).
 JOB_DIGEST_CHARS = 16
@@ -81,6 +115,16 @@ class Keys:
     def queue_name(self, alias: str) -> str:
         return f"{self.prefix}:{alias}"
 
+    @staticmethod
+    def rq_job(job_id: str) -> str:
+        """RQ's hash of one job (a prefix of job keys when given a prefix of job ids)."""
+        key = Job.key_for(job_id)
+        return key.decode() if isinstance(key, bytes) else key  # bytes in older rq
+
+    def rq_failed(self, alias: str) -> str:
+        """RQ's failed-job registry of an alias's queue."""
+        return FailedJobRegistry.key_template.format(self.queue_name(alias))
+
     def batch(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}"
 
@@ -120,6 +164,19 @@ class Keys:
             self.batch_workers(batch_id),
             self.submitting(batch_id),
         ]
+
+    def batch_key_types(self, batch_id: str) -> dict[str, str]:
+        """The Redis type of every key of a batch ("none", absent, is always fine too)."""
+        return {
+            self.batch(batch_id): "hash",
+            self.requests(batch_id): "hash",
+            self.order(batch_id): "zset",
+            self.results(batch_id): "hash",
+            self.errors(batch_id): "hash",
+            self.done(batch_id): "list",
+            self.batch_workers(batch_id): "hash",
+            self.submitting(batch_id): "string",
+        }
 
     @property
     def batches(self) -> str:

@@ -21,7 +21,17 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from producer import config
+from jobstore import config
+from jobstore.errors import JobStoreError
+from jobstore.limits import (
+    DRAFTERS,
+    MAX_CUSTOM_ID_CHARS,
+    MAX_DRAFT_TOKENS,
+    MAX_STOP_STRINGS,
+    REQUEST_BOUNDS,
+    SEED_MAX,
+    SEED_MIN,
+)
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETION_URL = "/v1/completions"
@@ -133,7 +143,7 @@ class LineError:
         )
 
 
-class JobFileError(Exception):
+class JobFileError(JobStoreError):
     """The job file cannot be read at all (missing, a directory, unreadable)."""
 
 
@@ -171,29 +181,33 @@ class _Message(_Strict):
 
 class _Speculative(_Strict):
     num_draft_tokens: Any = "auto"
-    drafter: Literal["model", "lookup", "none"] = "model"
+    drafter: Literal[DRAFTERS] = "model"
 
     @field_validator("num_draft_tokens")
     @classmethod
     def _k(cls, v: Any) -> Any:
         if v == "auto" and isinstance(v, str):
             return v
-        if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= 16:
+        if isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= MAX_DRAFT_TOKENS:
             return v
-        raise ValueError(f'must be "auto" or an integer from 1 to 16, got {_show(v)}')
+        raise ValueError(
+            f'must be "auto" or an integer from 1 to {MAX_DRAFT_TOKENS}, got {_show(v)}'
+        )
 
 
 class _Body(_Strict):
     model: str | None = None
     prompt: str | None = None
     messages: list[_Message] | None = Field(None, min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(config.DEFAULT_TEMPERATURE, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)
-    min_p: float = Field(0.0, ge=0, lt=1)
-    seed: int | None = Field(None, ge=-(2**63), lt=2**64)
+    max_tokens: int | None = Field(None, **REQUEST_BOUNDS["max_tokens"].pydantic())
+    max_completion_tokens: int | None = Field(None, **REQUEST_BOUNDS["max_tokens"].pydantic())
+    temperature: float = Field(
+        config.DEFAULT_TEMPERATURE, **REQUEST_BOUNDS["temperature"].pydantic()
+    )
+    top_p: float = Field(1.0, **REQUEST_BOUNDS["top_p"].pydantic())
+    top_k: int = Field(0, **REQUEST_BOUNDS["top_k"].pydantic())
+    min_p: float = Field(0.0, **REQUEST_BOUNDS["min_p"].pydantic())
+    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_MAX)
     stop: Any = None
     speculative: _Speculative | None = None
     user: str | None = None
@@ -224,8 +238,8 @@ class _Body(_Strict):
         if isinstance(v, str):
             return [v] if v else None
         if isinstance(v, list) and all(isinstance(s, str) for s in v):
-            if len(v) > 16:
-                raise ValueError(f"must have at most 16 stop strings, got {len(v)}")
+            if len(v) > MAX_STOP_STRINGS:
+                raise ValueError(f"must have at most {MAX_STOP_STRINGS} stop strings, got {len(v)}")
             return [s for s in v if s] or None
         raise ValueError(f"must be a string or a list of strings, got {_show(v)}")
 
@@ -307,6 +321,24 @@ def validate_file(
         yield from results
 
 
+def validate(
+    path: str,
+    model_override: str | None,
+    check: Callable[[JobLine], LineError | None] | None,
+    on_error: Callable[[LineError], None],
+) -> tuple[int, int]:
+    """Validate the whole file, reporting every problem through on_error; returns the
+    (valid, invalid) line counts. Raises JobFileError when the file cannot be read."""
+    valid, invalid_lines = 0, set()
+    for item in validate_file(path, model_override, check):
+        if isinstance(item, LineError):
+            invalid_lines.add(item.line)
+            on_error(item)
+        else:
+            valid += 1
+    return valid, len(invalid_lines)
+
+
 def parse_line(number: int, raw: bytes, model_override: str | None = None) -> list:
     """Parse one non-blank line: [JobLine] or a non-empty list of LineError."""
     try:
@@ -336,7 +368,7 @@ def _parse_line(number: int, raw: bytes, model_override: str | None) -> list:
         return [LineError(number, None, f"must be a JSON object, got {_json_type(obj)}")]
 
     raw_cid = obj.get("custom_id")
-    cid = raw_cid if isinstance(raw_cid, str) and 1 <= len(raw_cid) <= 64 else None
+    cid = raw_cid if isinstance(raw_cid, str) and 1 <= len(raw_cid) <= MAX_CUSTOM_ID_CHARS else None
     errors: list[LineError] = []
 
     def err(field_name: str | None, message: str) -> None:
@@ -346,8 +378,8 @@ def _parse_line(number: int, raw: bytes, model_override: str | None) -> list:
         err("custom_id", "required")
     elif not isinstance(raw_cid, str):
         err("custom_id", f"must be a string, got {_show(raw_cid)}")
-    elif not 1 <= len(raw_cid) <= 64:
-        err("custom_id", f"must be 1 to 64 characters, got {len(raw_cid)}")
+    elif not 1 <= len(raw_cid) <= MAX_CUSTOM_ID_CHARS:
+        err("custom_id", f"must be 1 to {MAX_CUSTOM_ID_CHARS} characters, got {len(raw_cid)}")
 
     envelope = any(k in obj for k in ("body", "method", "url"))
     url = None

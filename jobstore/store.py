@@ -16,9 +16,10 @@ import time
 
 from redis import Redis
 
-from producer import config
-from producer.keys import JOB_DIGEST_CHARS, Keys, job_id_stem
-from producer.lines import dumps, error_line
+from jobstore import config
+from jobstore.keys import JOB_DIGEST_CHARS, Keys, job_id_stem
+from jobstore.lines import dumps, error_line
+from jobstore.stats import drafter_of, summary
 
 log = logging.getLogger("specfleet.store")
 
@@ -208,7 +209,7 @@ def classify(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> li
     if not line_keys:
         return []
     script_keys = [keys.results(batch_id), keys.errors(batch_id), keys.requests(batch_id)]
-    args = [a for k in line_keys for a in (k, f"rq:job:{job_id_stem(batch_id, k)}")]
+    args = [a for k in line_keys for a in (k, keys.rq_job(job_id_stem(batch_id, k)))]
     out = conn.eval(_CLASSIFY, 3, *script_keys, *args)
     return [s.decode() if isinstance(s, bytes) else s for s in out]
 
@@ -219,6 +220,20 @@ def clear_errors(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -
         return 0
     script_keys = [keys.batch(batch_id), keys.errors(batch_id), keys.done(batch_id)]
     return int(conn.eval(_CLEAR_ERRORS, 3, *script_keys, *line_keys))
+
+
+def wrong_key_type(conn: Redis, keys: Keys, batch_id: str) -> str | None:
+    """`key K: holds a T, expected a U` for the first key of the batch whose Redis type
+    is wrong (damaged state), else None."""
+    expected = keys.batch_key_types(batch_id)
+    with conn.pipeline(transaction=False) as pipe:
+        for key in expected:
+            pipe.type(key)
+        found = [t.decode() if isinstance(t, bytes) else t for t in pipe.execute()]
+    for (key, want), got in zip(expected.items(), found, strict=True):
+        if got not in ("none", want):
+            return f"key {key}: holds a {got}, expected a {want}"
+    return None
 
 
 def remove_queued(conn: Redis, queue_key: str, batch_id: str) -> list[str]:
@@ -255,7 +270,7 @@ def result_counters(usage: dict, stats: dict, busy_ms: int) -> dict[str, int]:
 
 def spec_summary(fields: dict[str, str]) -> dict:
     """The FORMATS.md `speculative_decoding` object from summed counters (hash fields
-    as stored by `store_line`); the same arithmetic as engine.SpecStats.to_dict."""
+    as stored by `store_line`), through jobstore.stats like engine.SpecStats.to_dict."""
 
     def n(name: str) -> int:
         return int(fields.get(name, 0) or 0)
@@ -264,24 +279,13 @@ def spec_summary(fields: dict[str, str]) -> dict:
         idx = sorted(int(k.split(":")[2]) for k in fields if k.startswith(f"sd:{short}:"))
         return [n(f"sd:{short}:{i}") for i in range(idx[-1] + 1)] if idx else []
 
-    drafters = sorted(k.split(":", 2)[2] for k in fields if k.startswith("sd:drafter:"))
-    steps, proposed, accepted = (
+    return summary(
+        drafter_of(k.split(":", 2)[2] for k in fields if k.startswith("sd:drafter:")),
         n("sd:num_spec_steps"),
         n("sd:num_draft_tokens"),
         n("sd:num_accepted_draft_tokens"),
+        n("sd:num_emitted_tokens"),
+        series("hist"),
+        series("dpp"),
+        series("app"),
     )
-    dpp, app = series("dpp"), series("app")
-    app += [0] * (len(dpp) - len(app))
-    return {
-        "drafter": drafters[0] if len(drafters) == 1 else ("mixed" if drafters else "none"),
-        "num_spec_steps": steps,
-        "num_draft_tokens": proposed,
-        "num_accepted_draft_tokens": accepted,
-        "draft_acceptance_rate": round(accepted / proposed, 4) if proposed else 0.0,
-        "mean_acceptance_length": round(n("sd:num_emitted_tokens") / steps, 4) if steps else 0.0,
-        "acceptance_histogram": series("hist"),
-        "per_position_acceptance": [
-            round(a / d, 4) if d else 0.0 for a, d in zip(app, dpp, strict=True)
-        ],
-        "draft_tokens_per_position": dpp,
-    }

@@ -4,7 +4,7 @@
 on a terminal it redraws one panel in place (counts, bar, tokens/s, acceptance, ETA,
 one row per worker); elsewhere it prints one plain line at most every `every_s`
 seconds, and always the last one, so logs hold no control characters. `spec-status
---watch` and `spec-submit --wait` feed it from Redis (`follow`); `spec-run` feeds it
+--watch` and `spec-submit --wait` feed it from Redis (`follow`, given a fetch function); `spec-run` feeds it
 from its own counters (`RunProgress`). No MLX here.
 """
 
@@ -15,30 +15,20 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from redis import Redis
 from rich.console import Console, Group
 from rich.live import Live
 from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from producer import batches
-from producer.keys import Keys
-
-#: Batch hash fields of audit mode (`spec-worker --audit RATE`), written by worker.audit.
-AUDIT_CHECKED = "audit_checked"
-AUDIT_MISMATCHES = "audit_mismatches"
+from jobstore.limits import TERMINAL_STATUSES
 
 #: Without a terminal, at most one progress line per this many seconds (plus the last).
 PLAIN_EVERY_S = 10.0
 
 __all__ = [
-    "AUDIT_CHECKED",
-    "AUDIT_MISMATCHES",
     "Progress",
     "RunProgress",
-    "audit_summary",
-    "batch_status",
     "follow",
     "is_finished",
     "plain_line",
@@ -46,23 +36,9 @@ __all__ = [
 ]
 
 
-def audit_summary(conn: Redis, keys: Keys, batch_id: str) -> dict[str, int]:
-    """{"checked", "mismatches"}: requests re-run target-only by audit mode, and how
-    many of them came out different from the speculative output."""
-    checked, mismatches = conn.hmget(keys.batch(batch_id), [AUDIT_CHECKED, AUDIT_MISMATCHES])
-    return {"checked": int(checked or 0), "mismatches": int(mismatches or 0)}
-
-
-def batch_status(conn: Redis, keys: Keys, batch_id: str) -> dict:
-    """batches.status plus the "audit" object. Raises batches.BatchError."""
-    state = batches.status(conn, keys, batch_id)
-    state["audit"] = audit_summary(conn, keys, batch_id)
-    return state
-
-
 def is_finished(state: dict) -> bool:
     """True once nothing more will happen to the batch: a final status, nothing running."""
-    return state["status"] in batches.TERMINAL and state["request_counts"]["running"] == 0
+    return state["status"] in TERMINAL_STATUSES and state["request_counts"]["running"] == 0
 
 
 def duration(seconds: float | None) -> str:

@@ -10,7 +10,7 @@ carry on across a Redis restart instead of exiting.
 
 Commands are retried as redis-py sends them again. The writes that matter are safe to
 repeat: a line and its counters go in once per (batch, line key) whatever happens
-(producer.store), and RQ's bookkeeping tolerates a repeated step.
+(jobstore.store), and RQ's bookkeeping tolerates a repeated step.
 """
 
 from __future__ import annotations
@@ -25,12 +25,13 @@ from redis import Redis
 from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
-from producer import config
+from jobstore import config
+from jobstore.errors import JobStoreError
 
 log = logging.getLogger("specfleet.redis")
 
 
-class RedisUnavailable(Exception):
+class RedisUnavailable(JobStoreError):
     """Redis cannot be reached or refused us; the message is safe to print."""
 
 

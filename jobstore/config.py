@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 #: Redis used when neither --redis, SPEC_REDIS_URL nor REDIS_URL is given.
 DEFAULT_REDIS_URL = "redis://localhost:6379/0"
@@ -18,6 +19,10 @@ DEFAULT_KEY_PREFIX = "specfleet"
 
 #: Model alias a line runs on when neither the line nor --model names one.
 DEFAULT_MODEL = "demo"
+
+#: The bundled demo pair (`target/`, `draft/`), served as DEFAULT_MODEL. Plain files: the
+#: submit side reads the target's tokenizer and config from here without MLX.
+DEMO_PAIR_DIR = Path(__file__).resolve().parent.parent / "engine" / "demo"
 
 #: max_tokens of a line that does not set it (the engine's default).
 DEFAULT_MAX_TOKENS = 256

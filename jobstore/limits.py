@@ -1,0 +1,72 @@
+"""Constants of the data contract (FORMATS.md), stated once. Pure Python: the job-file
+validation, the engine's request checks and the CLIs all take them from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+#: Where draft tokens come from (a request's `speculative.drafter`).
+DRAFTERS = ("model", "lookup", "none")
+#: A request's `speculative.num_draft_tokens`: "auto" or an integer 1..MAX_DRAFT_TOKENS.
+MAX_DRAFT_TOKENS = 16
+#: `custom_id` is 1..MAX_CUSTOM_ID_CHARS characters.
+MAX_CUSTOM_ID_CHARS = 64
+#: `stop` holds at most this many strings.
+MAX_STOP_STRINGS = 16
+#: `seed` is an integer in [SEED_MIN, SEED_MAX): a signed or unsigned 64-bit value.
+SEED_MIN, SEED_MAX = -(2**63), 2**64
+
+#: Batch statuses of `spec-status --json`; a batch in a terminal one changes no more.
+BATCH_STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
+TERMINAL_STATUSES = ("completed", "failed", "cancelled")
+
+
+@dataclass(frozen=True)
+class Bound:
+    """An interval a numeric request field must lie in (None: unbounded on that side)."""
+
+    low: float | None = None
+    high: float | None = None
+    low_open: bool = False
+    high_open: bool = False
+
+    def contains(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
+            return False
+        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
+            return False
+        return True
+
+    def rule(self) -> str:
+        """The rule in words: `must be >= 0`, `must be in (0, 1]`."""
+        if self.low is not None and self.high is not None:
+            left, right = "(" if self.low_open else "[", ")" if self.high_open else "]"
+            return f"must be in {left}{_num(self.low)}, {_num(self.high)}{right}"
+        if self.low is not None:
+            return f"must be {'>' if self.low_open else '>='} {_num(self.low)}"
+        if self.high is not None:
+            return f"must be {'<' if self.high_open else '<='} {_num(self.high)}"
+        return "any value"
+
+    def pydantic(self) -> dict[str, float]:
+        """The bound as pydantic `Field` constraints (ge/gt/le/lt)."""
+        out = {}
+        if self.low is not None:
+            out["gt" if self.low_open else "ge"] = self.low
+        if self.high is not None:
+            out["lt" if self.high_open else "le"] = self.high
+        return out
+
+
+#: Bounds of the numeric sampling fields of a request.
+REQUEST_BOUNDS = {
+    "max_tokens": Bound(low=1),
+    "temperature": Bound(low=0),
+    "top_p": Bound(low=0, high=1, low_open=True),
+    "top_k": Bound(low=0),
+    "min_p": Bound(low=0, high=1, high_open=True),
+}
+
+
+def _num(value: float) -> str:
+    return str(int(value)) if float(value).is_integer() else str(value)
