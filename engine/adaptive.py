@@ -36,6 +36,7 @@ PRIOR_WEIGHT = 4.0
 DECAY = 0.9
 EMA = 0.1
 SHAPE_EMA = 0.05
+LIVE_EMA = 0.2  # measured seconds of one batch shape
 PROBE_FIRST, PROBE_MAX = 8, 256
 # Speculation must beat plain decoding by this much in the model before it is used:
 # a step the model over-rates costs real time, one it under-rates costs nothing.
@@ -43,6 +44,11 @@ MARGIN = 0.03
 # Acceptance of lookup drafts taken inside a model-drafted request (key in the controller).
 HYBRID_LOOKUP = "model+lookup"
 PASS_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320)
+
+
+def _ema(table: dict, key, seconds: float) -> None:
+    old = table.get(key)
+    table[key] = seconds if old is None else old + LIVE_EMA * (seconds - old)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -262,6 +268,8 @@ class DraftController:
     steps_since_probe: int = 0
     probing: bool = False  # the last choose_batch_k was a probe
     block: bool = False  # a block drafter (DFlash): any number of drafts costs one pass
+    live_target: dict = field(default_factory=dict)  # (rows, width) -> seconds, measured
+    live_draft: dict = field(default_factory=dict)  # rows -> seconds of one draft pass
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
@@ -308,12 +316,31 @@ class DraftController:
         return DraftPlan(self.static, start, k_max, drafter, shared=prior)
 
     # -- the batch's draft length --------------------------------------------------
+    def _target_pass(self, rows: int, width: int) -> float:
+        # A shape that ran is priced by what it measured; another shape by the nearest
+        # measured batch size of the same width, scaled along the curve; else the curve.
+        seen = self.live_target.get((rows, width))
+        if seen is not None:
+            return seen
+        near = [b for (b, w) in self.live_target if w == width]
+        if near:
+            b = min(near, key=lambda b: abs(b - rows))
+            return self.live_target[(b, width)] * self.target(rows * width) / self.target(b * width)
+        plain = self.live_target.get((rows, 1))
+        if plain is not None:  # this batch's plain pass, grown along the curve
+            return plain * self.target(rows * width) / self.target(rows)
+        return self.target(rows * width)
+
+    def _draft_pass(self, rows: int) -> float:
+        seen = self.live_draft.get(rows)
+        return seen if seen is not None else self.draft(rows)
+
     def step_seconds(self, rows: int, width: int, depth: int, drafted_rows: int) -> float:
         """Predicted seconds of one step: `depth` draft passes over `drafted_rows` rows,
         then one target pass over rows * width positions."""
-        cost = self.target(rows * width)
+        cost = self._target_pass(rows, width)
         if depth and self.draft is not None and drafted_rows:
-            cost += (1 if self.block else depth) * self.draft(drafted_rows)
+            cost += (1 if self.block else depth) * self._draft_pass(drafted_rows)
         return cost
 
     def _rate(self, auto, fixed, k, rows, drafted_rows, perfect=False) -> float:
@@ -370,7 +397,12 @@ class DraftController:
     def observe_step(
         self, rows: int, width: int, verify_s: float, depth: int, drafted_rows: int, draft_s: float
     ) -> None:
-        """Fold one measured step into the live scale factors."""
+        """Fold one measured step into the live costs: the curves' load factors, and the
+        seconds of this exact shape (a batch pass is not priced well by a one-row curve:
+        per-row overheads make a draft pass over many rows cost about a target pass)."""
         self.target.observe(rows * width, verify_s)
+        _ema(self.live_target, (rows, width), verify_s)
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
-            self.draft.observe(drafted_rows, draft_s / depth)
+            per_pass = draft_s / (1 if self.block else depth)
+            self.draft.observe(drafted_rows, per_pass)
+            _ema(self.live_draft, drafted_rows, per_pass)
