@@ -76,6 +76,7 @@ class PassCosts:
         for s in self.sizes:
             self.seconds.append(max([points[s], *self.seconds[-1:]]))
         self.scale = 1.0
+        self.seen = False  # the first measurement sets the scale (it may change units)
         self.correction: dict[int, float] = {}
 
     def _curve(self, n: int) -> float:
@@ -97,7 +98,10 @@ class PassCosts:
         curve = self._curve(n) * self.correction.get(n, 1.0)
         if curve <= 0 or seconds <= 0:
             return
-        self.scale += EMA * (seconds / curve - self.scale)
+        if not self.seen:
+            self.seen, self.scale = True, seconds / curve
+        else:
+            self.scale += EMA * (seconds / curve - self.scale)
         # What the load factor does not explain belongs to this size.
         c = self.correction.get(n, 1.0)
         self.correction[n] = c + SHAPE_EMA * (seconds / (self._curve(n) * self.scale) - c)
@@ -268,8 +272,9 @@ class DraftController:
     steps_since_probe: int = 0
     probing: bool = False  # the last choose_batch_k was a probe
     block: bool = False  # a block drafter (DFlash): any number of drafts costs one pass
-    live_target: dict = field(default_factory=dict)  # (rows, width) -> seconds, measured
-    live_draft: dict = field(default_factory=dict)  # rows -> seconds of one draft pass
+    calibrated: bool = True  # curves in seconds (else decode-step units)
+    live_target: dict = field(default_factory=dict)  # (rows, width) -> measured / curve
+    live_draft: dict = field(default_factory=dict)  # rows -> measured / curve, one pass
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
@@ -292,7 +297,13 @@ class DraftController:
             target = static_pass_costs(static.verify[1] - 1.0)
             has_draft = pair.draft is not None or dflash is not None
             draft = PassCosts({1: static.draft_step}) if has_draft else None
-        return cls(target=target, draft=draft, static=static, block=dflash is not None)
+        return cls(
+            target=target,
+            draft=draft,
+            static=static,
+            block=dflash is not None,
+            calibrated=calibrate,
+        )
 
     def plan(self, drafter: str, greedy: bool, k_max: int = MAX_AUTO_DRAFT) -> DraftPlan:
         """Start the per-request state of one "auto" request.
@@ -317,23 +328,32 @@ class DraftController:
 
     # -- the batch's draft length --------------------------------------------------
     def _target_pass(self, rows: int, width: int) -> float:
-        # A shape that ran is priced by what it measured; another shape by the nearest
-        # measured batch size of the same width, scaled along the curve; else the curve.
-        seen = self.live_target.get((rows, width))
-        if seen is not None:
-            return seen
-        near = [b for (b, w) in self.live_target if w == width]
-        if near:
-            b = min(near, key=lambda b: abs(b - rows))
-            return self.live_target[(b, width)] * self.target(rows * width) / self.target(b * width)
-        plain = self.live_target.get((rows, 1))
-        if plain is not None:  # this batch's plain pass, grown along the curve
-            return plain * self.target(rows * width) / self.target(rows)
-        return self.target(rows * width)
+        # live_target holds, per (rows, width) that ran, measured seconds over the curve's
+        # own (unscaled) value. A shape that ran is priced by its factor; another by the
+        # nearest measured batch size of the same width, else this batch's plain pass,
+        # else the curve's load factor.
+        curve = self.target._curve(rows * width)
+        factor = self.live_target.get((rows, width))
+        if factor is None:
+            near = [b for (b, w) in self.live_target if w == width]
+            if near:
+                factor = self.live_target[(min(near, key=lambda b: abs(b - rows)), width)]
+            else:
+                factor = self.live_target.get((rows, 1), self.target.scale)
+        return curve * factor
 
     def _draft_pass(self, rows: int) -> float:
-        seen = self.live_draft.get(rows)
-        return seen if seen is not None else self.draft(rows)
+        curve = self.draft._curve(rows)
+        factor = self.live_draft.get(rows)
+        if factor is None:
+            near = sorted(self.live_draft, key=lambda b: abs(b - rows))
+            # Never timed: an uncalibrated curve is in target-step units, so it takes the
+            # target's factor (seconds per unit); a calibrated one is in seconds already.
+            factor = self.live_draft[near[0]] if near else self.draft_unit()
+        return curve * factor
+
+    def draft_unit(self) -> float:
+        return self.target.scale if not self.calibrated else self.draft.scale
 
     def step_seconds(self, rows: int, width: int, depth: int, drafted_rows: int) -> float:
         """Predicted seconds of one step: `depth` draft passes over `drafted_rows` rows,
@@ -401,8 +421,8 @@ class DraftController:
         seconds of this exact shape (a batch pass is not priced well by a one-row curve:
         per-row overheads make a draft pass over many rows cost about a target pass)."""
         self.target.observe(rows * width, verify_s)
-        _ema(self.live_target, (rows, width), verify_s)
+        _ema(self.live_target, (rows, width), verify_s / self.target._curve(rows * width))
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
             per_pass = draft_s / (1 if self.block else depth)
             self.draft.observe(drafted_rows, per_pass)
-            _ema(self.live_draft, drafted_rows, per_pass)
+            _ema(self.live_draft, drafted_rows, per_pass / self.draft._curve(drafted_rows))

@@ -118,6 +118,10 @@ def test_greedy_auto_drafts_by_lookup_where_text_repeats_and_stays_exact(demo):
     text = "def parse(text):\n    for line in text.splitlines():\n        yield line\n\n"
     ids = demo.tokenizer.encode(text * 3 + "def parse(text):\n    for")
     ref = reference_greedy(demo, ids, 60)
+    # A fresh controller: what earlier tests measured here may say drafting does not pay.
+    from engine.adaptive import DraftController
+
+    demo.controller = DraftController.for_pair(demo, calibrate=False)
     plan = demo.controller.plan("model", greedy=True)
     assert plan.lookup is not None
     dec = SpeculativeDecoder(
