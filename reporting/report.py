@@ -81,6 +81,8 @@ def _parse(obj: dict) -> Line:
     usage = body.get("usage") or {}
     # Workers may name themselves in the line; lines without a name ran in one place.
     worker = obj.get("worker") or metrics.get("worker") or LOCAL_WORKER
+    if isinstance(worker, dict):  # metrics.worker: {"name", "host"}
+        worker = worker.get("name") or LOCAL_WORKER
     return Line(
         obj["custom_id"],
         True,

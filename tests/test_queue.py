@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import time
 
 import pytest
@@ -108,7 +109,9 @@ def test_end_to_end_two_workers_equal_spec_run(redis_env, start_worker, tmp_path
     submitted = redis_env.run("spec-submit", jobs, "--batch-id", batch)
     assert submitted.returncode == 0, submitted.stderr
     assert submitted.stdout == f"{batch}\n"
-    workers = [start_worker("--burst", *PAIR_ARGS) for _ in range(2)]
+    # Each worker takes exactly half, so the fleet view must show both.
+    names = ["mac-a.1", "mac-b.2"]
+    workers = [start_worker("--burst", "--max-jobs", "25", "--name", n, *PAIR_ARGS) for n in names]
     for w in workers:
         assert w.wait(timeout=400) == 0, w.log
 
@@ -144,6 +147,10 @@ def test_end_to_end_two_workers_equal_spec_run(redis_env, start_worker, tmp_path
             "tokens_per_second",
             "speculative_decoding",
         }
+    # The fleet view: every line names the worker and host that ran it.
+    ran_by = [r["response"]["body"]["metrics"]["worker"] for r in results]
+    assert {w["host"] for w in ran_by} == {socket.gethostname()}
+    assert sorted(w["name"] for w in ran_by) == [names[0]] * 25 + [names[1]] * 25
     finish = [r["response"]["body"]["choices"][0]["finish_reason"] for r in results]
     assert finish.count("stop") >= 3 and finish.count("length") >= 3  # stop strings exercised
     # Sampled lines without a seed got one derived from (batch, custom_id), and say so.
@@ -171,7 +178,14 @@ def test_end_to_end_two_workers_equal_spec_run(redis_env, start_worker, tmp_path
     lines_sd = [b["metrics"]["speculative_decoding"] for b in bodies]
     for counter in ("num_spec_steps", "num_draft_tokens", "num_accepted_draft_tokens"):
         assert sd[counter] == sum(x[counter] for x in lines_sd)
-    assert sum(w["completed"] for w in state["workers"]) == 50
+    assert sorted((w["name"], w["completed"]) for w in state["workers"]) == [
+        (names[0], 25),
+        (names[1], 25),
+    ]
+    report = redis_env.run("spec-report", batch, "-o", str(tmp_path / "report.html"))
+    assert report.returncode == 0, report.stderr
+    page = (tmp_path / "report.html").read_text()
+    assert names[0] in page and names[1] in page and ">local<" not in page
     assert all(w["model"] == "demo" for w in state["workers"])
     assert state["throughput_tokens_per_second"] > 0
     assert state["eta_seconds"] == 0.0 and state["completed_at"] >= state["created_at"]

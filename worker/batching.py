@@ -23,6 +23,7 @@ def run_lines(
     lines: Iterable[tuple[str, JobLine]],
     max_batch: int,
     expired: Callable[[JobLine], bool] | None = None,
+    worker: str | None = None,
 ) -> Iterator[tuple[JobLine, Outcome | engine.RequestExpired]]:
     """Yield (line, outcome) for every (batch id, line), in the order they finish.
 
@@ -53,4 +54,4 @@ def run_lines(
             continue
         now = time.perf_counter()
         busy_ms, last = int((now - last) * 1000), now
-        yield job, outcome_of(alias, batch_id, job, seed, res, busy_ms, pair=pair)
+        yield job, outcome_of(alias, batch_id, job, seed, res, busy_ms, pair=pair, worker=worker)

@@ -9,6 +9,7 @@ is raised (the queue retries it, spec-run records `internal_error`). In audit mo
 from __future__ import annotations
 
 import dataclasses
+import socket
 import time
 from dataclasses import dataclass
 
@@ -41,8 +42,18 @@ def to_request(job: JobLine, seed: int | None) -> engine.GenerationRequest:
     return engine.GenerationRequest(**params)
 
 
-def execute(pair, alias: str, batch_id: str, job: JobLine) -> Outcome:
-    """Generate one line. Raises whatever the engine raises that is not a request error."""
+#: The name result lines carry when no queue worker ran them (spec-run).
+LOCAL_WORKER = "local"
+
+
+def worker_identity(name: str | None) -> dict:
+    """`metrics.worker` of a result line: the worker process and the host it ran on."""
+    return {"name": name or LOCAL_WORKER, "host": socket.gethostname()}
+
+
+def execute(pair, alias: str, batch_id: str, job: JobLine, worker: str | None = None) -> Outcome:
+    """Generate one line (`worker`: the name of the worker running it). Raises whatever
+    the engine raises that is not a request error."""
     seed = effective_seed(batch_id, job)
     started = time.perf_counter()
     try:
@@ -50,11 +61,18 @@ def execute(pair, alias: str, batch_id: str, job: JobLine) -> Outcome:
     except (engine.ContextLengthError, engine.InvalidRequestError) as exc:
         return outcome_of(alias, batch_id, job, seed, exc)
     busy_ms = int((time.perf_counter() - started) * 1000)
-    return outcome_of(alias, batch_id, job, seed, res, busy_ms, pair=pair)
+    return outcome_of(alias, batch_id, job, seed, res, busy_ms, pair=pair, worker=worker)
 
 
 def outcome_of(
-    alias: str, batch_id: str, job: JobLine, seed, res, busy_ms: int = 0, pair=None
+    alias: str,
+    batch_id: str,
+    job: JobLine,
+    seed,
+    res,
+    busy_ms: int = 0,
+    pair=None,
+    worker: str | None = None,
 ) -> Outcome:
     """The line for an engine result, or for a request error the engine raised.
 
@@ -65,9 +83,8 @@ def outcome_of(
         return failure(batch_id, job, "context_length_exceeded", f"{job.prompt_field}: {res}")
     if isinstance(res, engine.InvalidRequestError):
         return failure(batch_id, job, "invalid_request", str(res))
-    line = result_line(
-        batch_id, job, alias, res.text, res.finish_reason, res.usage, res.metrics, seed
-    )
+    metrics = {**res.metrics, "worker": worker_identity(worker)}
+    line = result_line(batch_id, job, alias, res.text, res.finish_reason, res.usage, metrics, seed)
     counters = result_counters(res.usage, dataclasses.asdict(res.stats), busy_ms)
     auditor = get_auditor()
     audited = None

@@ -131,7 +131,9 @@ def run_request(
     else:
         conn.hsetnx(keys.batch(batch_id), "started_at", f"{time.time():.3f}")
         outcome = (
-            precomputed if precomputed is not None else execute(ctx.pair, ctx.alias, batch_id, job)
+            precomputed
+            if precomputed is not None
+            else execute(ctx.pair, ctx.alias, batch_id, job, ctx.worker_name)
         )
     stored = store.store_line(
         conn,

@@ -127,7 +127,7 @@ class BatchSession:
         with Heartbeat(self.worker, self.running):
             try:
                 for line, outcome in run_lines(
-                    ctx.pair, ctx.alias, lines(), self.max_batch, expired
+                    ctx.pair, ctx.alias, lines(), self.max_batch, expired, ctx.worker_name
                 ):
                     claimed = by_line.pop(id(line))
                     if isinstance(outcome, Exception):  # past its deadline in the batch
