@@ -295,7 +295,8 @@ def cost_model(pair, probe: CostProbe, t: dict[str, Tally], s) -> Costs:
     for k in s.our_ks:
         pooled.merge(t[f"c{k}"].stats)
     a = per_token_acceptance(pooled)
-    live = pair.controller.live
+    live = pair.controller  # the engine's own pass costs (seconds for n positions)
+    one = live.target(1)
     return Costs(
         step_s=statistics.median(probe.step),
         verify=verify,
@@ -303,6 +304,6 @@ def cost_model(pair, probe: CostProbe, t: dict[str, Tally], s) -> Costs:
         a=a,
         predicted={k: expected_tokens(a, k) / (verify[k] + k * c) for k in s.our_ks},
         predicted_mal={k: t[f"c{k}"].acceptance_length / (verify[k] + k * c) for k in s.our_ks},
-        engine_verify={k: live.verify[k] / live.verify[0] for k in range(0, 9)},
-        engine_c=live.draft_step / live.verify[0],
+        engine_verify={k: live.target(k + 1) / one for k in range(0, 9)},
+        engine_c=(live.draft(1) / one) if live.draft is not None else 0.0,
     )
