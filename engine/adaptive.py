@@ -386,6 +386,13 @@ class DraftController:
         if k_max == 0:
             return 0
         base = self._rate(auto, fixed, 0, rows, drafted_rows)
+        bar = base * (1 + MARGIN)
+        # The common saturated case first, cheaply: if even perfect acceptance cannot pay
+        # at either end of the range, plain decoding it is (and no probe).
+        ends = {1, k_max}
+        if all(self._rate(auto, fixed, k, rows, drafted_rows, perfect=True) <= bar for k in ends):
+            if k_max <= 2 or not self._could_pay(auto, fixed, rows, drafted_rows, bar, k_max):
+                return 0
         rates = {k: self._rate(auto, fixed, k, rows, drafted_rows) for k in range(1, k_max + 1)}
         best = max(rates, key=lambda k: (rates[k], -k))
         if rates[best] > base * (1 + MARGIN):
@@ -406,6 +413,13 @@ class DraftController:
             self.probing = True
             return 1
         return 0
+
+    def _could_pay(self, auto, fixed, rows, drafted_rows, bar, k_max) -> bool:
+        # Between the ends, sampled on a coarse grid (costs are near-linear in K).
+        return any(
+            self._rate(auto, fixed, k, rows, drafted_rows, perfect=True) > bar
+            for k in range(2, k_max, 2)
+        )
 
     def probe_result(self, proposed: int, accepted: int) -> None:
         """After a probe step: all accepted resets the interval, else it doubles."""
