@@ -22,6 +22,7 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
     P:model:A            hash  a served alias: context_length, tokenizer_json, updated_at
     P:worker:W           hash  a worker's lifetime counters and model
     P:refused            list  reports of jobs a worker refused to run (newest first)
+    P:probe:<pid>        string a worker's test write while Redis is full (expires in 1 s)
 
 RQ's own keys: queue `P:A` (so `rq:queue:P:A`), jobs `rq:job:B-<digest>-<line>`
 (see `job_id`), failed jobs `rq:failed:P:A`. Their names come from RQ's own classes

@@ -451,7 +451,12 @@ def test_a_poison_request_is_tried_three_times_then_becomes_an_error_line(
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    redis_env.conn.hset(redis_env.keys.requests(batch), "c:poison", "{not json")  # breaks every run
+    # A record that reads back fine but makes every run raise (an unreadable record is an
+    # error line at once: tests/test_worker_reliability.py).
+    requests = redis_env.keys.requests(batch)
+    record = json.loads(redis_env.conn.hget(requests, "c:poison"))
+    record["params"]["frobnicate"] = 1
+    redis_env.conn.hset(requests, "c:poison", json.dumps(record))
     worker = start_worker("--burst", *PAIR_ARGS)
     assert worker.wait(timeout=120) == 0, worker.log  # the worker kept serving
     poison = key_layout.job_id(batch, "c:poison", 1)
@@ -461,5 +466,6 @@ def test_a_poison_request_is_tried_three_times_then_becomes_an_error_line(
         ("poison", "internal_error"),
         ("fine", None),
     ]
-    assert errors[0]["error"]["message"].startswith("JSONDecodeError: ")
+    assert errors[0]["error"]["message"].startswith("TypeError: ")
+    assert "frobnicate" in errors[0]["error"]["message"]
     assert errors[0]["error"]["message"].endswith("(3 attempts)")

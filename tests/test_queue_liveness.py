@@ -9,6 +9,7 @@ import time
 
 from rq.job import Job
 from rq.registry import StartedJobRegistry
+from test_faults import _running, _wait_until
 from test_queue import LONG, _collect, _wait_running, read_jsonl, write_jobs
 
 from jobstore.keys import job_id
@@ -48,24 +49,40 @@ def test_a_killed_workers_job_is_requeued_even_while_the_others_are_busy(
     redis_env, start_worker, slow_pair_args, tmp_path
 ):
     redis_env.env.update(HEARTBEAT)
-    lines = [{"custom_id": "a", **LONG}, {"custom_id": "b", **LONG}]
+    # Longer than LONG: both jobs must still run once the second worker has loaded.
+    long = {**LONG, "max_tokens": 450}
+    lines = [{"custom_id": "a", **long}, {"custom_id": "b", **long}]
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    doomed = start_worker(*slow_pair_args)
-    _wait_running(redis_env, batch)  # doomed runs a
-    survivor = start_worker(*slow_pair_args)
-    survivor.wait_for_log(f"({job_id(batch, 'c:b', 2)})", timeout=60)  # survivor busy with b
+    workers = {
+        name: start_worker("--name", name, *slow_pair_args)
+        for name in (f"{redis_env.prefix}-w0", f"{redis_env.prefix}-w1")
+    }
+
+    # Both busy, one job each; the worker running a is killed, the other keeps running b.
+    def both_busy():
+        running = _running(redis_env, batch)
+        return running if len(set(running.values())) == 2 else None
+
+    running = _wait_until(
+        both_busy,
+        timeout=120,
+        what="both workers busy",
+        poll=0.02,
+    )
+    a, b = job_id(batch, "c:a", 1), job_id(batch, "c:b", 2)
+    doomed, survivor = workers[running[a]], workers[running[b]]
     doomed.signal(signal.SIGKILL)
     assert doomed.wait(timeout=10) == -signal.SIGKILL
     # Re-queued through the 1 s heartbeat expiry by the busy survivor's heartbeat thread,
     # long before the job timeout (minutes) and before the survivor is free again.
-    deadline = time.monotonic() + 10
-    while Job.fetch(job_id(batch, "c:a", 1), connection=redis_env.conn).get_status() != "queued":
+    deadline = time.monotonic() + 15
+    while Job.fetch(a, connection=redis_env.conn).get_status() != "queued":
         assert time.monotonic() < deadline, survivor.log
         time.sleep(0.05)
     assert not redis_env.conn.hexists(redis_env.keys.results(batch), "c:b")  # still busy
-    job = Job.fetch(job_id(batch, "c:a", 1), connection=redis_env.conn)
+    job = Job.fetch(a, connection=redis_env.conn)
     assert job.retries_left == 1  # one of its two retries used
     deadline = time.monotonic() + 120
     while redis_env.conn.hlen(redis_env.keys.results(batch)) < 2:

@@ -180,7 +180,7 @@ def test_workers_wait_while_redis_is_full_and_lose_nothing(request, slow_pair_ar
     for w in (single, batched):
         assert w.wait(timeout=60) == 0, w.log
         assert w.log.count(full) == 1, w.log  # warned once
-        assert "accepts writes again" in w.log
+        assert "accepts writes again" in w.log, w.log
         for said in ("enqueued for retry", "exception raised while executing", "Traceback"):
             assert said not in w.log, w.log  # no job failed: no retry spent
 

@@ -108,7 +108,15 @@ def worker(
     except RedisUnavailable as exc:
         fail("spec-worker", str(exc), EXIT_REDIS)
     # A full Redis is waited out like an outage: results are held, not dropped.
-    conn.set_retry(WaitWhileFull(url, config.RECONNECT_BASE_S, config.reconnect_cap_s()))
+    probe_conn = connect(url, check=False, reconnect=False)
+    probe_key = f"{Keys.default().prefix}:probe:{os.getpid()}"
+
+    def probe() -> None:
+        probe_conn.set(probe_key, 1, px=1000)
+
+    conn.set_retry(
+        WaitWhileFull(url, config.RECONNECT_BASE_S, config.reconnect_cap_s(), probe=probe)
+    )
     pair = _load_pair("spec-worker", target, draft)
     alias = alias or pair.name
     keys = Keys.default()

@@ -6,6 +6,10 @@ while Redis is unreachable (jobstore.connection): nothing is lost and no job's r
 spent. One warning when Redis fills up and one when it accepts writes again, however
 many commands and threads wait. Reads go on meanwhile. A stop signal ends the waiting
 like an outage's (`interrupt`).
+
+When it is full, a side thread tries a small expiring write (`probe`) until Redis takes
+it, and then says so: a refused transaction under WATCH leaves through RQ, which runs
+it again as a new call, so the call that was refused may never be the one that succeeds.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 
 from redis.exceptions import OutOfMemoryError
 
@@ -24,10 +29,13 @@ log = logging.getLogger("specfleet.redis")
 class WaitWhileFull(ReconnectingRetry):
     """ReconnectingRetry that also waits out `OutOfMemoryError` (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, probe: Callable[[], object] | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._full_lock = threading.Lock()
         self._full_since: float | None = None
+        #: A small write that expires by itself, on a client without this retry; raises
+        #: OutOfMemoryError while Redis is full.
+        self.probe = probe
 
     def call_with_retry(self, do, fail, is_retryable=None, with_failure_count=False):
         refused = 0  # writes refused in this call
@@ -63,6 +71,22 @@ class WaitWhileFull(ReconnectingRetry):
             str(error).splitlines()[0][:200],
             self.cap_s,
         )
+        if self.probe is not None:
+            threading.Thread(target=self._watch, name="redis-full", daemon=True).start()
+
+    def _watch(self) -> None:
+        """Try the probe write with back-off until Redis takes it (or we are stopped)."""
+        tries = 0
+        while self._full_since is not None:
+            tries += 1
+            if self._interrupted.wait(min(self.cap_s, self.base_s * 2**tries)):
+                return
+            try:
+                self.probe()
+            except Exception:  # still full, or away: the next round tries again
+                continue
+            self._note_writable()
+            return
 
     def _note_writable(self) -> None:
         with self._full_lock:
