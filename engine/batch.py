@@ -269,18 +269,48 @@ class BatchDecoder:
         return drafts, q
 
     def _verify(self, logits, drafts, q) -> list[tuple[int, int]]:
-        best = mx.argmax(logits, axis=-1).tolist()
-        results = []
-        for i, (row, d) in enumerate(zip(self.rows, drafts, strict=True)):
-            if row.params.greedy:
-                results.append(core.accept_greedy(best[i], d))
-            else:
-                results.append(
-                    core.accept_sampled(
-                        logits[i, : len(d) + 1], d, q.get(i), row.params, row.seed, row.generated
-                    )
-                )
+        results: list = [None] * len(self.rows)
+        sampled = [i for i, row in enumerate(self.rows) if not row.params.greedy]
+        if len(sampled) < len(self.rows):
+            best = mx.argmax(logits, axis=-1).tolist()
+            for i, (row, d) in enumerate(zip(self.rows, drafts, strict=True)):
+                if row.params.greedy:
+                    results[i] = core.accept_greedy(best[i], d)
+        if sampled:
+            outcomes = self._verify_sampled(logits, drafts, q, sampled)
+            for i, result in zip(sampled, outcomes, strict=True):
+                results[i] = result
         return results
+
+    def _verify_sampled(self, logits, drafts, q, sampled: list[int]) -> list[tuple[int, int]]:
+        """Speculative sampling for the sampled rows, all in one set of array operations."""
+        rows = [self.rows[i] for i in sampled]
+        width = 1 + max(len(drafts[i]) for i in sampled)
+        if len(sampled) < len(self.rows):
+            logits = logits[mx.array(sampled)]
+        p = sampling.probs_rows(logits[:, :width], [r.params for r in rows])
+        seeds, starts = [r.seed for r in rows], [r.generated for r in rows]
+        lengths = [len(drafts[i]) for i in sampled]
+        noise = sampling.gumbel_table(
+            sampling.position_keys(seeds, starts, width, sampling.DRAW_TARGET), p.shape[-1]
+        )
+        if width == 1:
+            return core.accept_sampled(p, None, None, lengths, None, noise)
+        tokens = mx.array([drafts[i] + [0] * (width - 1 - len(drafts[i])) for i in sampled])
+        laws = []
+        for i, n in zip(sampled, lengths, strict=True):
+            law = q.get(i)
+            if law is None:  # a deterministic drafter (lookup), or no drafts: one-hot
+                law = (mx.arange(p.shape[-1])[None, :] == tokens[len(laws)][:, None]).astype(
+                    mx.float32
+                )
+            elif n < width - 1:
+                law = mx.pad(law, [(0, width - 1 - n), (0, 0)])
+            laws.append(law)
+        u = sampling.uniform_table(
+            sampling.position_keys(seeds, starts, width - 1, sampling.DRAW_ACCEPT)
+        )
+        return core.accept_sampled(p, mx.stack(laws), tokens, lengths, u, noise)
 
     def _finish(self, choices, drafts, results, draft_s, verify_s) -> dict:
         emitted_by_key, accepted_by_key, steps = {}, {}, {}

@@ -106,6 +106,7 @@ class ModelProposer:
         self.members: list[_Member] = []
         self.depth = 0  # draft passes of the step in progress (reset by commit)
         self.depth_run = 0  # draft passes run by the last propose()
+        self._sampled: list[_Member] = []  # members drawing samples at this depth
 
     def admit(self, joining: list[tuple[object, list[int], sampling.SamplingParams, int]]) -> None:
         """Prefill rows (key, prompt ids, params, seed); the last prompt token stays
@@ -157,35 +158,43 @@ class ModelProposer:
             feed = tok[:, None].astype(mx.uint32)
         mx.eval(tokens)
         table = mx.stack(tokens, axis=1).tolist()
+        sampled = {m.key: j for j, m in enumerate(self._sampled)}
+        if sampled:  # (sampled members, depth, V): each member's law at every depth
+            stacked = mx.stack(laws, axis=1)
+            if dv < self.target_vocab:
+                stacked = mx.pad(stacked, [(0, 0), (0, 0), (0, self.target_vocab - dv)])
         drafts, q = {}, {}
         for j, m in enumerate(members):
             k = want.get(m.key, 0)
             if not k:
                 continue
             drafts[m.key] = table[j][:k]
-            if not m.params.greedy:
-                law = mx.stack([laws[s][j] for s in range(k)])
-                if dv < self.target_vocab:
-                    pad = mx.zeros((k, self.target_vocab - dv), mx.float32)
-                    law = mx.concatenate([law, pad], axis=-1)
-                q[m.key] = law
+            if m.key in sampled:
+                q[m.key] = stacked[sampled[m.key], :k]
         return drafts, q
 
     def _sample(self, logits, step):
+        """Tokens for every member at this depth, and the laws of the sampled members
+        (in self._sampled order) they were drawn from."""
         greedy = mx.argmax(logits, axis=-1)
-        if all(m.params.greedy for m in self.members):
+        index = [j for j, m in enumerate(self.members) if not m.params.greedy]
+        self._sampled = [self.members[j] for j in index]
+        if not index:
             return greedy, None
-        toks, laws = [], []
-        for j, m in enumerate(self.members):
-            if m.params.greedy:
-                toks.append(greedy[j])
-                laws.append(None)
-                continue
-            law = sampling.probs(logits[j], m.params)
-            noise = sampling.gumbel_rows(m.seed, m.position + step, 1, logits.shape[-1], DRAW_DRAFT)
-            toks.append(sampling.sample_rows(law[None], noise)[0])
-            laws.append(law)
-        return mx.stack(toks), laws
+        rows = mx.array(index)
+        law = sampling.probs_rows(logits[rows], [m.params for m in self._sampled])
+        keys = sampling.position_keys(
+            [m.seed for m in self._sampled],
+            [m.position + step for m in self._sampled],
+            1,
+            DRAW_DRAFT,
+        )
+        drawn = sampling.sample_rows(law, sampling.gumbel_table(keys, law.shape[-1])[:, 0])
+        if len(index) == len(self.members):
+            return drawn, law
+        spread = mx.zeros(greedy.shape, greedy.dtype).at[rows].add(drawn.astype(greedy.dtype))
+        is_sampled = mx.array([not m.params.greedy for m in self.members])
+        return mx.where(is_sampled, spread, greedy), law
 
     def commit(self, emitted: dict, accepted: dict) -> None:
         """After verification: emitted[key] = tokens the row put out this step (accepted
@@ -282,25 +291,28 @@ class DFlashProposer:
             return {}, {}
         logits = self.drafter_logits([last[k] for k in self.keys])[:, :depth]
         greedy = mx.argmax(logits, axis=-1).tolist()
+        sampled = [i for i, key in enumerate(self.keys) if not self.params[key].greedy]
+        if sampled:  # one draw for every sampled row and block position
+            keys = [self.keys[i] for i in sampled]
+            laws = sampling.probs_rows(logits[mx.array(sampled)], [self.params[k] for k in keys])
+            noise = sampling.gumbel_table(
+                sampling.position_keys(
+                    [self.seeds[k] for k in keys], [positions[k] for k in keys], depth, DRAW_DRAFT
+                ),
+                laws.shape[-1],
+            )
+            drawn = dict(zip(keys, sampling.sample_rows(laws, noise).tolist(), strict=True))
+            law_of = {k: j for j, k in enumerate(keys)}
         drafts, q = {}, {}
         for i, key in enumerate(self.keys):
             k = min(want.get(key, 0), depth)
             if not k:
                 continue
-            params = self.params[key]
-            if params.greedy:
+            if self.params[key].greedy:
                 drafts[key] = greedy[i][:k]
                 continue
-            law = sampling.probs(logits[i, :k], params)  # (k, V)
-            seed, start = self.seeds[key], positions[key]
-            noise = mx.concatenate(
-                [
-                    sampling.gumbel_rows(seed, start + j, 1, law.shape[-1], DRAW_DRAFT)
-                    for j in range(k)
-                ]
-            )
-            drafts[key] = sampling.sample_rows(law, noise).tolist()
-            q[key] = law
+            drafts[key] = drawn[key][:k]
+            q[key] = laws[law_of[key], :k]
         return drafts, q
 
     def drafter_logits(self, last_tokens: list[int]) -> mx.array:
