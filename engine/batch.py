@@ -355,6 +355,16 @@ class BatchDecoder:
         return target, draft
 
 
+def new_decoder(pair):
+    """The decoder for a pair: BatchDecoder, or plain.PlainDecoder for a target whose
+    layers the speculative decoder cannot keep exact (`pair.plain_only`)."""
+    if getattr(pair, "plain_only", None):
+        from .plain import PlainDecoder
+
+        return PlainDecoder(pair)
+    return BatchDecoder(pair)
+
+
 class SpeculativeDecoder:
     """One request through the one decoder (a batch of one); iterate `steps()`.
 
@@ -378,11 +388,13 @@ class SpeculativeDecoder:
     ):
         if num_draft_tokens == 0:
             drafter, num_draft_tokens = "none", 1
+        if getattr(pair, "plain_only", None):
+            drafter, num_draft_tokens = "none", 1
         if num_draft_tokens == "auto" and plan is None and drafter != "none":
             if pair.controller is None:
                 raise core.InvalidRequestError("num_draft_tokens 'auto' needs a calibrated pair")
             plan = pair.controller.plan(drafter, params.greedy)
-        self.batch = BatchDecoder(pair)
+        self.batch = new_decoder(pair)
         self.batch.add(
             self.KEY,
             list(prompt_ids),
