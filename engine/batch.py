@@ -157,7 +157,12 @@ class BatchDecoder:
     def _choose(self) -> list[_Choice]:
         choices = [_Choice() for _ in self.rows]
         auto, fixed, auto_rows = [], [], []
-        drafted_rows = len(self.proposer.members) if self.proposer is not None else 0
+        # Rows the draft model would run over if it drafted (cold ones included).
+        drafted_rows = (
+            len(self.proposer.members) + len(getattr(self.proposer, "cold", ()))
+            if self.proposer is not None
+            else 0
+        )
         for row, c in zip(self.rows, choices, strict=True):
             budget = row.budget()
             if row.drafter == "none" or budget == 0:
@@ -252,7 +257,9 @@ class BatchDecoder:
     def _draft(self, choices: list[_Choice]) -> tuple[list[list[int]], dict]:
         drafts = [list(c.tokens or []) if c.source == "lookup" else [] for c in choices]
         q: dict[int, mx.array] = {}
-        if self.proposer is None or not self.proposer.members:
+        if self.proposer is None or not (
+            self.proposer.members or getattr(self.proposer, "cold", None)
+        ):
             return drafts, q
         want = {r.key: c.k for r, c in zip(self.rows, choices, strict=True) if c.source == "model"}
         positions = {r.key: r.generated for r in self.rows}
@@ -349,9 +356,7 @@ class BatchDecoder:
         """(target, draft) cache lengths of a row: accepted tokens minus what is pending."""
         i = next(i for i, r in enumerate(self.rows) if r.key == key)
         target = self.t_rows.offset.tolist()[i]
-        draft = None
-        if self.proposer is not None and any(m.key == key for m in self.proposer.members):
-            draft = self.proposer.lengths()[key]
+        draft = self.proposer.lengths().get(key) if self.proposer is not None else None
         return target, draft
 
 
@@ -427,4 +432,4 @@ class SpeculativeDecoder:
     def draft_pending(self) -> list[int]:
         """Accepted tokens the draft model has not seen yet (the newest always)."""
         proposer = self.batch.proposer
-        return proposer.pending(self.KEY) if proposer and proposer.members else []
+        return proposer.pending(self.KEY) if proposer and self.KEY in proposer.lengths() else []

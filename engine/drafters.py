@@ -91,8 +91,15 @@ class _Member:
 
 
 class ModelProposer:
-    """Batched drafting with a draft LM (`needs_features` False: it reads only tokens). Rows join (`admit`), leave (`remove`), get
-    `propose(want)` drafts, then `commit` tells it what the target accepted."""
+    """Batched drafting with a draft LM (`needs_features` False: it reads only tokens).
+    Rows join (`admit`), leave (`remove`), get `propose(want)` drafts, then `commit`
+    tells it what the target accepted.
+
+    A row joins cold: the draft model reads nothing of it until the row first asks for
+    drafts, and then takes its prompt and everything emitted so far in one prefill. So
+    rows that "auto" never drafts for (plain decoding pays better, as in large batches
+    on a CPU) cost the draft model nothing.
+    """
 
     kind = "model"
     needs_features = False
@@ -103,24 +110,29 @@ class ModelProposer:
         self.draft_vocab = draft_vocab
         self.target_vocab = target_vocab
         self.rows, self.cache = make_ragged_cache(model, 0)
-        self.members: list[_Member] = []
+        self.members: list[_Member] = []  # rows in the draft cache, in its row order
+        self.cold: dict = {}  # key -> (tokens so far, params, seed): not read yet
         self.depth = 0  # draft passes of the step in progress (reset by commit)
         self.depth_run = 0  # draft passes run by the last propose()
         self._sampled: list[_Member] = []  # members drawing samples at this depth
 
     def admit(self, joining: list[tuple[object, list[int], sampling.SamplingParams, int]]) -> None:
-        """Prefill rows (key, prompt ids, params, seed); the last prompt token stays
-        pending, as in the target."""
-        if not joining:
-            return
-        rows, _ = prefill_rows(self.model, [ids[:-1] for _, ids, _, _ in joining])
+        """Rows (key, prompt ids, params, seed) join cold (see the class docstring)."""
+        for key, ids, params, seed in joining:
+            self.cold[key] = (list(ids), params, seed)
+
+    def _warm(self, keys: list) -> None:
+        """Prefill cold rows with every token they have; the newest stays pending, as
+        in the target."""
+        found = [(key, *self.cold.pop(key)) for key in keys]
+        rows, _ = prefill_rows(self.model, [ids[:-1] for _, ids, _, _ in found])
         # A fresh ragged cache's layer objects are grafted onto ours by RaggedRows.append.
         self.rows.append(rows)
-        self.members += [
-            _Member(key, [ids[-1]], params, seed) for key, ids, params, seed in joining
-        ]
+        self.members += [_Member(key, [ids[-1]], params, seed) for key, ids, params, seed in found]
 
     def remove(self, keys: set) -> None:
+        for key in keys:
+            self.cold.pop(key, None)
         keep = [i for i, m in enumerate(self.members) if m.key not in keys]
         if len(keep) != len(self.members):
             self.rows.select(keep)
@@ -130,6 +142,9 @@ class ModelProposer:
         """Draft want[key] tokens for each member key (0 or absent: none); every member
         runs through the same passes. Returns ({key: tokens}, {key: (k, V) law}) with
         laws only for sampled rows (over the target's vocabulary, padding rows 0)."""
+        waking = [key for key in self.cold if want.get(key, 0) > 0]
+        if waking:
+            self._warm(waking)
         depth = max((want.get(m.key, 0) for m in self.members), default=0)
         self.depth = self.depth_run = depth
         for m in self.members:
@@ -200,6 +215,8 @@ class ModelProposer:
         """After verification: emitted[key] = tokens the row put out this step (accepted
         drafts + the target's token), accepted[key] = how many drafts passed."""
         depth = self.depth
+        for key, (ids, _, _) in self.cold.items():
+            ids.extend(emitted.get(key, []))
         drop = []
         for m in self.members:
             out = emitted.get(m.key, [])
@@ -216,10 +233,14 @@ class ModelProposer:
         self.depth = 0
 
     def lengths(self) -> dict:
-        """{key: tokens in the draft cache} (accepted tokens minus pending)."""
-        return dict(zip((m.key for m in self.members), self.rows.offset.tolist(), strict=True))
+        """{key: tokens in the draft cache} (accepted tokens minus pending; 0 when cold)."""
+        found = dict(zip((m.key for m in self.members), self.rows.offset.tolist(), strict=True))
+        return {**found, **dict.fromkeys(self.cold, 0)}
 
     def pending(self, key) -> list[int]:
+        """Accepted tokens of a row the draft model has not read yet."""
+        if key in self.cold:
+            return list(self.cold[key][0])
         return next(m.pending for m in self.members if m.key == key)
 
 
