@@ -69,6 +69,19 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
 }
 
 
+#: What validation gives a parameter the line does not set (max_tokens and temperature
+#: are always stored: their defaults are settings that may change).
+RECORD_DEFAULTS: dict[str, Any] = {
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "seed": None,
+    "stop": None,
+    "num_draft_tokens": "auto",
+    "drafter": "model",
+}
+
+
 @dataclass(frozen=True)
 class JobLine:
     """One valid line, normalised.
@@ -87,16 +100,25 @@ class JobLine:
     prefix: str = ""  # "body." when the line used the envelope form, for messages
 
     def to_record(self) -> dict:
-        """A JSON-able dict (stored in Redis, read back by `from_record`)."""
-        return {
+        """A JSON-able dict (stored in Redis, read back by `from_record`). Parameters at
+        their defaults (RECORD_DEFAULTS) and an empty echo or prefix are left out: a
+        million queued lines then hold only what their requests said."""
+        record: dict = {
             "line": self.line,
             "custom_id": self.custom_id,
             "endpoint": self.endpoint,
             "model": self.model,
-            "params": self.params,
-            "echo": self.echo,
-            "prefix": self.prefix,
+            "params": {
+                k: v
+                for k, v in self.params.items()
+                if k not in RECORD_DEFAULTS or not _same(v, RECORD_DEFAULTS[k])
+            },
         }
+        if self.echo:
+            record["echo"] = self.echo
+        if self.prefix:
+            record["prefix"] = self.prefix
+        return record
 
     @classmethod
     def from_record(cls, record: dict) -> JobLine:
@@ -105,7 +127,7 @@ class JobLine:
             custom_id=record["custom_id"],
             endpoint=record["endpoint"],
             model=record.get("model"),
-            params=dict(record["params"]),
+            params={**RECORD_DEFAULTS, **record["params"]},
             echo=dict(record.get("echo") or {}),
             prefix=record.get("prefix", ""),
         )

@@ -149,9 +149,12 @@ def read_batch(
 
 
 def _stored_line(raw, key: str, line_key, warn: Callable[[str], None] | None) -> Line:
+    from jobstore import config
+    from jobstore.lines import unpack
+
     field = line_key.decode(errors="replace") if isinstance(line_key, bytes) else line_key
     try:
-        return parse_line(json.loads(raw))
+        return parse_line(json.loads(unpack(raw, config.MAX_STORED_LINE_BYTES)))
     except (ValueError, RecursionError, ReportError) as exc:  # ValueError: not JSON, not UTF-8
         problem = f"key {key} field {field}: damaged stored line ({exc})"
     if warn:

@@ -23,7 +23,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import PAIR_ARGS, RedisEnv, WorkerProcess, script
+from conftest import PAIR_ARGS, RedisEnv, WorkerProcess, script, stored
 from redis import Redis
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from test_queue import _collect, read_jsonl, write_jobs
@@ -525,7 +525,7 @@ def test_ten_thousand_lines_with_one_percent_malformed(redis_env, start_worker, 
     conn, keys = redis_env.conn, redis_env.keys
     assert conn.llen(f"rq:queue:{keys.queue_name('demo')}") == len(valid)
     assert conn.hlen(keys.requests(batch)) == len(valid)
-    errors = [json.loads(v) for v in conn.hvals(keys.errors(batch))]
+    errors = [stored(v) for v in conn.hvals(keys.errors(batch))]
     assert sorted(e["error"]["line"] for e in errors) == sorted(bad)
     assert {e["error"]["code"] for e in errors} == {"invalid_request"}
 
@@ -537,7 +537,7 @@ def test_ten_thousand_lines_with_one_percent_malformed(redis_env, start_worker, 
         assert w.wait(timeout=1800 if full else 120) == 0, w.log
     completed = conn.hlen(keys.results(batch))
     assert completed == (len(valid) if full else 2 * per_worker)
-    sample = [json.loads(v) for v in conn.hvals(keys.results(batch))]
+    sample = [stored(v) for v in conn.hvals(keys.results(batch))]
     assert {r["error"] for r in sample} == {None}
     assert all(r["response"]["body"]["usage"]["completion_tokens"] <= 1 for r in sample)
     figures(
