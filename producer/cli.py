@@ -221,10 +221,7 @@ def status(batch_id, redis_url, as_json, watch):
             )
         )
     for w in state["workers"]:
-        click.echo(
-            f"  worker {w['name']} ({w['model']}): {w['completed']} completed, "
-            f"{w['tokens_per_second']:.1f} tok/s"
-        )
+        click.echo(f"  worker {w['name']} ({w['model']}): {progress.worker_text(w)}")
 
 
 @click.command()
@@ -276,4 +273,5 @@ def cancel(batch_id, redis_url):
     keys = Keys.default()
     n = batches.cancel(conn, keys, batch_id)
     running = batches.status(conn, keys, batch_id)["request_counts"]["running"]
-    _say(f"batch {batch_id}: cancelled {n} waiting line(s); {running} running will finish")
+    note = " (a running job's lines not started yet are cancelled instead)" if running else ""
+    _say(f"batch {batch_id}: cancelled {n} waiting line(s); {running} running will finish{note}")

@@ -166,8 +166,9 @@ def test_delete_after_cancel_waits_for_the_running_lines(redis_env, tmp_path):
     batch = _submit_lines(redis_env, tmp_path, 3)
     registry, member = _take_first_job(redis_env, batch)
     cancelled = _run(cli.cancel, batch)
-    assert (
-        cancelled.stderr == f"batch {batch}: cancelled 2 waiting line(s); 1 running will finish\n"
+    assert cancelled.stderr == (
+        f"batch {batch}: cancelled 2 waiting line(s); 1 running will finish (a running job's "
+        "lines not started yet are cancelled instead)\n"
     )
     out = tmp_path / "r.jsonl"
     refused = redis_env.run("spec-collect", batch, "-o", str(out), "--delete")

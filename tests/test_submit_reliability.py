@@ -84,6 +84,16 @@ def _queued_jobs(env, batch: str) -> list[str]:
     return [j.decode() for j in env.conn.lrange(queue, 0, -1) if j.decode().startswith(batch)]
 
 
+def _queued_lines(env, batch: str) -> list[str]:
+    """Line keys of the batch's jobs waiting in the demo queue (duplicates kept)."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    ids = _queued_jobs(env, batch)
+    jobs = Job.fetch_many(ids, connection=env.conn, serializer=JSONSerializer)
+    return [key for job in jobs for key in job.args[1]]
+
+
 def _half_written(env, batch: str) -> list[str]:
     """Job records of the batch that lack what a worker needs (a status alone)."""
     out = []
@@ -218,9 +228,13 @@ def test_two_submits_of_one_batch_at_once_enqueue_each_line_once(redis_env, tmp_
         f"batch {batch}: 3000 lines: 3000 enqueued; models: demo (3000)",
     ]
     queued = _queued_jobs(redis_env, batch)
-    assert len(queued) == len(set(queued)) == 3000
+    assert len(queued) == len(set(queued)) == 600  # 3000 // JOB_SPREAD: 5 lines a job
+    lines = _queued_lines(redis_env, batch)
+    assert sorted(lines) == sorted(f"c:{c}" for c in ids)  # each line in one job, once
     assert not redis_env.conn.exists(redis_env.keys.submit_lock(batch))  # released
-    print(f"figures: two submits at once: lines=3000, queue_entries={len(queued)}")
+    print(
+        f"figures: two submits at once: lines=3000, queued_lines={len(lines)}, jobs={len(queued)}"
+    )
 
 
 def test_a_submit_that_finds_its_batch_locked_waits_then_says_so(redis_env, tmp_path):
