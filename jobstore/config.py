@@ -96,7 +96,7 @@ JOB_LINES_MAX = 64
 #: spec-submit aims for at least this many jobs per batch (a small file keeps one line
 #: per job, so a fleet's rows share it out); larger files get up to JOB_LINES_MAX lines
 #: per job: lines per job = total lines // JOB_SPREAD, between 1 and JOB_LINES_MAX.
-JOB_SPREAD = 512
+JOB_SPREAD = 256
 
 #: A job-file line longer than this many bytes is an error, never read whole.
 MAX_LINE_BYTES = 8 * 1024 * 1024

@@ -135,7 +135,7 @@ return out
 )
 
 _CLASSIFY = _Lua(
-    """
+    """#!lua flags=no-writes
 -- KEYS: 1 results, 2 errors, 3 requests
 -- ARGV: 1 'rq:job:<batch>-j' (a job number completes it), 2.. line keys
 -- -> per key: 'done' (has a result), 'error' (has an error line), 'pending' (the job
@@ -214,7 +214,8 @@ return removed
 
 
 _COUNT_UNANSWERED = _Lua(
-    """
+    """#!lua flags=no-writes
+-- (no-writes: Redis runs it while over its maxmemory too)
 -- KEYS: 1 requests, 2 errors; ARGV: line keys
 -- -> how many still have a request record (no result) and no error line
 local n = 0

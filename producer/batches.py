@@ -177,7 +177,7 @@ def running_jobs(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> l
         ids += [j for j in found if is_job_of(batch_id, j)]
     if not ids:
         return []
-    jobs = Job.fetch_many(ids, connection=conn, serializer=JSONSerializer)
+    jobs = _fetch_jobs(conn, ids)
     running = []
     with conn.pipeline(transaction=False) as pipe:
         for job_id_, job in zip(ids, jobs, strict=True):
@@ -187,6 +187,24 @@ def running_jobs(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> l
                 running.append((job_id_, job.worker_name or None))
         counts = pipe.execute()
     return [RunningJob(j, w, int(n)) for (j, w), n in zip(running, counts, strict=True) if n]
+
+
+def _fetch_jobs(conn: Redis, ids: list[str]) -> list[Job | None]:
+    """RQ's jobs by id (None where gone), in one round trip without MULTI: Job.fetch_many
+    wraps its reads in a transaction, which Redis refuses while it is over maxmemory,
+    and spec-status must work then too."""
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id_ in ids:
+            pipe.hgetall(Job.key_for(job_id_))
+        found = pipe.execute()
+    jobs: list[Job | None] = []
+    for job_id_, raw in zip(ids, found, strict=True):
+        job = None
+        if raw:
+            job = Job(job_id_, connection=conn, serializer=JSONSerializer)
+            job.restore(raw)
+        jobs.append(job)
+    return jobs
 
 
 def _job_lines(job: Job | None) -> list[str]:
