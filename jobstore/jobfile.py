@@ -99,19 +99,20 @@ class JobLine:
     echo: dict = field(default_factory=dict)
     prefix: str = ""  # "body." when the line used the envelope form, for messages
 
-    def to_record(self) -> dict:
-        """A JSON-able dict (stored in Redis, read back by `from_record`). Parameters at
-        their defaults (RECORD_DEFAULTS) and an empty echo or prefix are left out: a
-        million queued lines then hold only what their requests said."""
+    def to_record(self, model: str | None = None) -> dict:
+        """A JSON-able dict (stored in Redis, read back by `from_record`), with `model`
+        when the line names none. Parameters at their defaults (RECORD_DEFAULTS) and an
+        empty echo or prefix are left out: a million queued lines then hold only what
+        their requests said."""
         record: dict = {
             "line": self.line,
             "custom_id": self.custom_id,
             "endpoint": self.endpoint,
-            "model": self.model,
+            "model": self.model or model,
             "params": {
                 k: v
                 for k, v in self.params.items()
-                if k not in RECORD_DEFAULTS or not _same(v, RECORD_DEFAULTS[k])
+                if not (k in RECORD_DEFAULTS and _same(v, RECORD_DEFAULTS[k]))
             },
         }
         if self.echo:

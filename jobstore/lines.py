@@ -113,7 +113,11 @@ def error_line(batch_id: str, line: int, custom_id: str | None, code: str, messa
 
 def dumps(line: dict) -> str:
     """One JSONL line (no newline): compact, UTF-8 kept as is."""
-    return json.dumps(line, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(line)
+
+
+# One encoder for every line: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
 
 
 # --- stored form ---------------------------------------------------------------------

@@ -40,6 +40,7 @@ from jobstore.keys import (
 )
 from jobstore.limits import TERMINAL_STATUSES
 from jobstore.lines import dumps, error_line, unpack
+from producer.spool import Queued
 from producer.submit import QueuePlan, queue_lines
 
 TERMINAL = TERMINAL_STATUSES
@@ -636,16 +637,15 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
                 _request(keys.requests(batch_id), key, record)  # damage found before any change
                 retryable.append(key)
     conn.hdel(keys.batch(batch_id), "cancelled")
-    plan = QueuePlan(conn, keys, batch_id, config.DEFAULT_MODEL, {}, ttl, 1)
-    plan.per_job = config.job_lines(len(retryable))
+    plan = QueuePlan(conn, keys, batch_id, {}, ttl, config.job_lines(len(retryable)))
     step = plan.per_job * max(1, config.CHUNK_LINES // plan.per_job)
     for i in range(0, len(retryable), step):
         chunk = retryable[i : i + step]
         records = conn.hmget(keys.requests(batch_id), chunk)
-        runs: dict[str, list[tuple[str, JobLine]]] = {}
-        for key, record in zip(chunk, records, strict=True):
-            job = JobLine.from_record(json.loads(record))
-            runs.setdefault(job.model or config.DEFAULT_MODEL, []).append((key, job))
+        runs: dict[str, list[Queued]] = {}
+        for record in records:
+            entry = Queued.of(JobLine.from_record(json.loads(record)), config.DEFAULT_MODEL)
+            runs.setdefault(entry.model, []).append(entry)
         store.clear_errors(conn, keys, batch_id, chunk)
         with conn.pipeline(transaction=True) as pipe:
             queue_lines(plan, runs, pipe)

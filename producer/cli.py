@@ -15,10 +15,10 @@ import click
 
 from jobstore import config
 from jobstore.connection import connect, warn_if_evicting
-from jobstore.jobfile import validate
 from jobstore.keys import Keys, check_batch_id, new_batch_id
 from jobstore.options import fail, friendly_errors, redis_option
 from producer import batches
+from producer.spool import spool_file
 from producer.submit import SubmitError, enqueue_file
 from producer.tokencount import ContextChecker
 from reporting import progress
@@ -83,27 +83,21 @@ def submit(
     keys = Keys.default()
     checker = ContextChecker(conn, keys, model or config.DEFAULT_MODEL)
 
-    valid, invalid = validate(jobs_file, model, checker, lambda e: _say(e.format(jobs_file)))
-    if invalid and not skip_invalid:
-        fail(
-            "spec-submit",
-            f"{jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
-            "enqueued (fix them, or pass --skip-invalid to run the valid lines)",
+    with spool_file(
+        jobs_file, model, config.DEFAULT_MODEL, checker, lambda e: _say(e.format(jobs_file))
+    ) as spool:
+        valid, invalid = spool.valid, spool.invalid
+        if invalid and not skip_invalid:
+            fail(
+                "spec-submit",
+                f"{jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
+                "enqueued (fix them, or pass --skip-invalid to run the valid lines)",
+            )
+        if valid + invalid == 0:
+            fail("spec-submit", f"{jobs_file}: no requests (the file is empty)")
+        report = enqueue_file(
+            conn, keys, spool, jobs_file, batch_id, result_ttl, total_lines=spool.lines
         )
-    if valid + invalid == 0:
-        fail("spec-submit", f"{jobs_file}: no requests (the file is empty)")
-
-    report = enqueue_file(
-        conn,
-        keys,
-        jobs_file,
-        batch_id,
-        config.DEFAULT_MODEL,
-        model,
-        checker,
-        result_ttl,
-        total_lines=valid + invalid,
-    )
     click.echo(batch_id)
     parts = [f"{report.enqueued} enqueued"]
     if report.invalid:
