@@ -11,8 +11,10 @@ import hashlib
 import json
 import time
 import zlib
+from typing import TYPE_CHECKING
 
-from jobstore.jobfile import JobLine
+if TYPE_CHECKING:  # only its fields are read: status and collect need not load pydantic
+    from jobstore.jobfile import JobLine
 
 #: Error codes of FORMATS.md.
 ERROR_CODES = (

@@ -28,7 +28,6 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from jobstore import config, store
-from jobstore.jobfile import JobLine
 from jobstore.keys import (
     AUDIT_CHECKED,
     AUDIT_MISMATCHES,
@@ -637,6 +636,8 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
                 _request(keys.requests(batch_id), key, record)  # damage found before any change
                 retryable.append(key)
     conn.hdel(keys.batch(batch_id), "cancelled")
+    from jobstore.jobfile import JobLine  # pydantic: not for status or collect
+
     plan = QueuePlan(conn, keys, batch_id, {}, ttl, config.job_lines(len(retryable)))
     step = plan.per_job * max(1, config.CHUNK_LINES // plan.per_job)
     for i in range(0, len(retryable), step):
@@ -654,8 +655,10 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
 
 
 @_redis_refusals
-def _request(hash_key: str, field: str, record: bytes) -> JobLine:
+def _request(hash_key: str, field: str, record: bytes):
     """A stored request record as a JobLine. Raises CorruptBatch naming key and field."""
+    from jobstore.jobfile import JobLine
+
     try:
         return JobLine.from_record(json.loads(record))
     except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:

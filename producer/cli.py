@@ -18,10 +18,10 @@ from jobstore.connection import connect, warn_if_evicting
 from jobstore.keys import Keys, check_batch_id, new_batch_id
 from jobstore.options import fail, friendly_errors, redis_option
 from producer import batches
-from producer.spool import spool_file
 from producer.submit import SubmitError, enqueue_file
-from producer.tokencount import ContextChecker
-from reporting import progress
+
+# producer.spool (pydantic), producer.tokencount and reporting.progress (rich) are
+# imported by the commands that use them: spec-status starts in a fraction of a second.
 
 
 def _say(message: str) -> None:
@@ -81,6 +81,9 @@ def submit(
     batch_id = check_batch_id(batch_id) if batch_id else new_batch_id()
     conn = connect(redis_url)
     keys = Keys.default()
+    from producer.spool import spool_file
+    from producer.tokencount import ContextChecker
+
     checker = ContextChecker(conn, keys, model or config.DEFAULT_MODEL)
 
     with spool_file(
@@ -135,6 +138,8 @@ def submit(
 def _watch(conn, keys, batch_id: str, stream, name: str, redis_url: str | None) -> dict:
     """Show the batch's progress on stream until it is finished; returns the last status.
     Ctrl-C stops watching (exit 130); the batch goes on."""
+    from reporting import progress
+
     shown = progress.Progress(file=stream)
     try:
         with shown:
@@ -187,6 +192,8 @@ def status(batch_id, redis_url, as_json, watch):
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return
+    from reporting.progress import worker_text
+
     c, sd = state["request_counts"], state["speculative_decoding"]
     eta = "-" if state["eta_seconds"] is None else f"{state['eta_seconds']:.0f} s"
     click.echo(f"batch {state['id']}: {state['status']}")
@@ -215,7 +222,7 @@ def status(batch_id, redis_url, as_json, watch):
             )
         )
     for w in state["workers"]:
-        click.echo(f"  worker {w['name']} ({w['model']}): {progress.worker_text(w)}")
+        click.echo(f"  worker {w['name']} ({w['model']}): {worker_text(w)}")
 
 
 @click.command()

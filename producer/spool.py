@@ -15,11 +15,14 @@ import json
 import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from jobstore import config
-from jobstore.jobfile import JobLine, LineError, validate_file
 from jobstore.keys import line_key
 from jobstore.lines import dumps
+
+if TYPE_CHECKING:
+    from jobstore.jobfile import JobLine, LineError
 
 
 @dataclass(frozen=True)
@@ -121,6 +124,8 @@ def spool_file(
     """Validate the whole file (every problem through on_error) into a new Spool; a
     line without a model runs on `default_model`. Raises JobFileError when the file
     cannot be read (the spool is closed then)."""
+    from jobstore.jobfile import LineError, validate_file  # pydantic: only to submit
+
     spool = Spool()
     try:
         current: list[LineError] = []  # the problems of the line being read
