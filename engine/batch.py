@@ -157,7 +157,12 @@ class BatchDecoder:
     def _choose(self) -> list[_Choice]:
         choices = [_Choice() for _ in self.rows]
         auto, fixed, auto_rows = [], [], []
-        drafted_rows = len(self.proposer.members) if self.proposer is not None else 0
+        # Rows the draft model would run over if it drafted (cold ones included).
+        drafted_rows = (
+            len(self.proposer.members) + len(getattr(self.proposer, "cold", ()))
+            if self.proposer is not None
+            else 0
+        )
         for row, c in zip(self.rows, choices, strict=True):
             budget = row.budget()
             if row.drafter == "none" or budget == 0:
@@ -252,7 +257,9 @@ class BatchDecoder:
     def _draft(self, choices: list[_Choice]) -> tuple[list[list[int]], dict]:
         drafts = [list(c.tokens or []) if c.source == "lookup" else [] for c in choices]
         q: dict[int, mx.array] = {}
-        if self.proposer is None or not self.proposer.members:
+        if self.proposer is None or not (
+            self.proposer.members or getattr(self.proposer, "cold", None)
+        ):
             return drafts, q
         want = {r.key: c.k for r, c in zip(self.rows, choices, strict=True) if c.source == "model"}
         positions = {r.key: r.generated for r in self.rows}
@@ -269,18 +276,48 @@ class BatchDecoder:
         return drafts, q
 
     def _verify(self, logits, drafts, q) -> list[tuple[int, int]]:
-        best = mx.argmax(logits, axis=-1).tolist()
-        results = []
-        for i, (row, d) in enumerate(zip(self.rows, drafts, strict=True)):
-            if row.params.greedy:
-                results.append(core.accept_greedy(best[i], d))
-            else:
-                results.append(
-                    core.accept_sampled(
-                        logits[i, : len(d) + 1], d, q.get(i), row.params, row.seed, row.generated
-                    )
-                )
+        results: list = [None] * len(self.rows)
+        sampled = [i for i, row in enumerate(self.rows) if not row.params.greedy]
+        if len(sampled) < len(self.rows):
+            best = mx.argmax(logits, axis=-1).tolist()
+            for i, (row, d) in enumerate(zip(self.rows, drafts, strict=True)):
+                if row.params.greedy:
+                    results[i] = core.accept_greedy(best[i], d)
+        if sampled:
+            outcomes = self._verify_sampled(logits, drafts, q, sampled)
+            for i, result in zip(sampled, outcomes, strict=True):
+                results[i] = result
         return results
+
+    def _verify_sampled(self, logits, drafts, q, sampled: list[int]) -> list[tuple[int, int]]:
+        """Speculative sampling for the sampled rows, all in one set of array operations."""
+        rows = [self.rows[i] for i in sampled]
+        width = 1 + max(len(drafts[i]) for i in sampled)
+        if len(sampled) < len(self.rows):
+            logits = logits[mx.array(sampled)]
+        p = sampling.probs_rows(logits[:, :width], [r.params for r in rows])
+        seeds, starts = [r.seed for r in rows], [r.generated for r in rows]
+        lengths = [len(drafts[i]) for i in sampled]
+        noise = sampling.gumbel_table(
+            sampling.position_keys(seeds, starts, width, sampling.DRAW_TARGET), p.shape[-1]
+        )
+        if width == 1:
+            return core.accept_sampled(p, None, None, lengths, None, noise)
+        tokens = mx.array([drafts[i] + [0] * (width - 1 - len(drafts[i])) for i in sampled])
+        laws = []
+        for i, n in zip(sampled, lengths, strict=True):
+            law = q.get(i)
+            if law is None:  # a deterministic drafter (lookup), or no drafts: one-hot
+                law = (mx.arange(p.shape[-1])[None, :] == tokens[len(laws)][:, None]).astype(
+                    mx.float32
+                )
+            elif n < width - 1:
+                law = mx.pad(law, [(0, width - 1 - n), (0, 0)])
+            laws.append(law)
+        u = sampling.uniform_table(
+            sampling.position_keys(seeds, starts, width - 1, sampling.DRAW_ACCEPT)
+        )
+        return core.accept_sampled(p, mx.stack(laws), tokens, lengths, u, noise)
 
     def _finish(self, choices, drafts, results, draft_s, verify_s) -> dict:
         emitted_by_key, accepted_by_key, steps = {}, {}, {}
@@ -319,10 +356,18 @@ class BatchDecoder:
         """(target, draft) cache lengths of a row: accepted tokens minus what is pending."""
         i = next(i for i, r in enumerate(self.rows) if r.key == key)
         target = self.t_rows.offset.tolist()[i]
-        draft = None
-        if self.proposer is not None and any(m.key == key for m in self.proposer.members):
-            draft = self.proposer.lengths()[key]
+        draft = self.proposer.lengths().get(key) if self.proposer is not None else None
         return target, draft
+
+
+def new_decoder(pair):
+    """The decoder for a pair: BatchDecoder, or plain.PlainDecoder for a target whose
+    layers the speculative decoder cannot keep exact (`pair.plain_only`)."""
+    if getattr(pair, "plain_only", None):
+        from .plain import PlainDecoder
+
+        return PlainDecoder(pair)
+    return BatchDecoder(pair)
 
 
 class SpeculativeDecoder:
@@ -348,11 +393,13 @@ class SpeculativeDecoder:
     ):
         if num_draft_tokens == 0:
             drafter, num_draft_tokens = "none", 1
+        if getattr(pair, "plain_only", None):
+            drafter, num_draft_tokens = "none", 1
         if num_draft_tokens == "auto" and plan is None and drafter != "none":
             if pair.controller is None:
                 raise core.InvalidRequestError("num_draft_tokens 'auto' needs a calibrated pair")
             plan = pair.controller.plan(drafter, params.greedy)
-        self.batch = BatchDecoder(pair)
+        self.batch = new_decoder(pair)
         self.batch.add(
             self.KEY,
             list(prompt_ids),
@@ -385,4 +432,4 @@ class SpeculativeDecoder:
     def draft_pending(self) -> list[int]:
         """Accepted tokens the draft model has not seen yet (the newest always)."""
         proposer = self.batch.proposer
-        return proposer.pending(self.KEY) if proposer and proposer.members else []
+        return proposer.pending(self.KEY) if proposer and self.KEY in proposer.lengths() else []

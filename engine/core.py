@@ -1,4 +1,4 @@
-"""The acceptance rules of speculative decoding, for one row of a verify pass.
+"""The acceptance rules of speculative decoding, for the rows of a verify pass.
 
 One step: the drafter proposes K tokens, the target scores the pending token plus
 all K in one pass, and the longest acceptable prefix is kept, followed by one
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import mlx.core as mx
 
 from . import sampling
-from .sampling import DRAW_TARGET, SamplingParams
 from .types import InvalidRequestError
 
 MAX_DRAFT_TOKENS = 16
@@ -53,31 +52,32 @@ def accept_greedy(best: list[int], drafts: list[int]) -> tuple[int, int]:
 
 
 def accept_sampled(
-    logits: mx.array, drafts: list[int], q, params: SamplingParams, seed: int, position: int
-) -> tuple[int, int]:
-    """Speculative sampling over one row: (accepted count, next token).
+    p: mx.array, q: mx.array | None, drafts: mx.array | None, lengths: list[int], u, noise
+) -> list[tuple[int, int]]:
+    """Speculative sampling over rows at once: [(accepted count, next token)] per row.
 
-    logits: (k + 1, V) target rows; q: (k, V) draft laws, or None for a
-    deterministic drafter (one-hot). Randomness is keyed by (seed, position + i).
+    p: (R, W, V) target laws, row r's position i scoring draft i (position lengths[r]:
+    the bonus); q: (R, W - 1, V) the laws row r's drafts were drawn from (one-hot for a
+    deterministic drafter; anything past lengths[r] is ignored); drafts: (R, W - 1)
+    token ids, padded; u: (R, W - 1) uniforms for the accept tests; noise: (R, W, V)
+    Gumbel noise for the token that follows. q, drafts and u are None when W == 1.
     """
-    k = len(drafts)
-    p = sampling.probs(logits, params)  # (k + 1, V), float32
-    noise = sampling.gumbel_rows(seed, position, k + 1, p.shape[-1], DRAW_TARGET)
-    if k == 0:
-        return 0, sampling.sample_rows(p, noise)[0].item()
-    x = mx.array(drafts)
-    if q is None:
-        q = (mx.arange(p.shape[-1])[None, :] == x[:, None]).astype(mx.float32)
-    rows = mx.arange(k)
-    px, qx = p[rows, x], q[rows, x]
-    accept = sampling.uniforms(seed, position, k) * qx < px
-    residual = mx.maximum(p[:k] - q, 0.0)
-    mass = residual.sum(axis=-1, keepdims=True)
-    # p == q leaves no residual; rejection then has probability 0, but guard it.
-    residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:k])
-    candidates = sampling.sample_rows(mx.concatenate([residual, p[k:]]), noise)
-    accept, candidates = accept.tolist(), candidates.tolist()
-    n = 0
-    while n < k and accept[n]:
-        n += 1
-    return n, candidates[n]
+    k = mx.array(lengths)[:, None]
+    if p.shape[1] == 1:
+        n = mx.zeros((p.shape[0],), mx.int32)
+        dist = p
+    else:
+        x = drafts[..., None]
+        px = mx.take_along_axis(p[:, :-1], x, axis=-1)[..., 0]
+        qx = mx.take_along_axis(q, x, axis=-1)[..., 0]
+        drafted = mx.arange(p.shape[1] - 1)[None, :] < k
+        accept = (u * qx < px) & drafted
+        n = mx.sum(mx.cumprod(accept.astype(mx.int32), axis=1), axis=1)
+        residual = mx.maximum(p[:, :-1] - q, 0.0)
+        mass = residual.sum(axis=-1, keepdims=True)
+        # p == q leaves no residual; rejection then has probability 0, but guard it.
+        residual = mx.where(mass > 0, residual / mx.maximum(mass, 1e-30), p[:, :-1])
+        dist = mx.concatenate([mx.where(drafted[..., None], residual, p[:, :-1]), p[:, -1:]], 1)
+    candidates = sampling.sample_rows(dist, noise)  # (R, W): a candidate per position
+    token = mx.take_along_axis(candidates, n[:, None], axis=1)[:, 0]
+    return list(zip(n.tolist(), token.tolist(), strict=True))

@@ -91,8 +91,15 @@ class _Member:
 
 
 class ModelProposer:
-    """Batched drafting with a draft LM (`needs_features` False: it reads only tokens). Rows join (`admit`), leave (`remove`), get
-    `propose(want)` drafts, then `commit` tells it what the target accepted."""
+    """Batched drafting with a draft LM (`needs_features` False: it reads only tokens).
+    Rows join (`admit`), leave (`remove`), get `propose(want)` drafts, then `commit`
+    tells it what the target accepted.
+
+    A row joins cold: the draft model reads nothing of it until the row first asks for
+    drafts, and then takes its prompt and everything emitted so far in one prefill. So
+    rows that "auto" never drafts for (plain decoding pays better, as in large batches
+    on a CPU) cost the draft model nothing.
+    """
 
     kind = "model"
     needs_features = False
@@ -103,23 +110,29 @@ class ModelProposer:
         self.draft_vocab = draft_vocab
         self.target_vocab = target_vocab
         self.rows, self.cache = make_ragged_cache(model, 0)
-        self.members: list[_Member] = []
+        self.members: list[_Member] = []  # rows in the draft cache, in its row order
+        self.cold: dict = {}  # key -> (tokens so far, params, seed): not read yet
         self.depth = 0  # draft passes of the step in progress (reset by commit)
         self.depth_run = 0  # draft passes run by the last propose()
+        self._sampled: list[_Member] = []  # members drawing samples at this depth
 
     def admit(self, joining: list[tuple[object, list[int], sampling.SamplingParams, int]]) -> None:
-        """Prefill rows (key, prompt ids, params, seed); the last prompt token stays
-        pending, as in the target."""
-        if not joining:
-            return
-        rows, _ = prefill_rows(self.model, [ids[:-1] for _, ids, _, _ in joining])
+        """Rows (key, prompt ids, params, seed) join cold (see the class docstring)."""
+        for key, ids, params, seed in joining:
+            self.cold[key] = (list(ids), params, seed)
+
+    def _warm(self, keys: list) -> None:
+        """Prefill cold rows with every token they have; the newest stays pending, as
+        in the target."""
+        found = [(key, *self.cold.pop(key)) for key in keys]
+        rows, _ = prefill_rows(self.model, [ids[:-1] for _, ids, _, _ in found])
         # A fresh ragged cache's layer objects are grafted onto ours by RaggedRows.append.
         self.rows.append(rows)
-        self.members += [
-            _Member(key, [ids[-1]], params, seed) for key, ids, params, seed in joining
-        ]
+        self.members += [_Member(key, [ids[-1]], params, seed) for key, ids, params, seed in found]
 
     def remove(self, keys: set) -> None:
+        for key in keys:
+            self.cold.pop(key, None)
         keep = [i for i, m in enumerate(self.members) if m.key not in keys]
         if len(keep) != len(self.members):
             self.rows.select(keep)
@@ -129,6 +142,9 @@ class ModelProposer:
         """Draft want[key] tokens for each member key (0 or absent: none); every member
         runs through the same passes. Returns ({key: tokens}, {key: (k, V) law}) with
         laws only for sampled rows (over the target's vocabulary, padding rows 0)."""
+        waking = [key for key in self.cold if want.get(key, 0) > 0]
+        if waking:
+            self._warm(waking)
         depth = max((want.get(m.key, 0) for m in self.members), default=0)
         self.depth = self.depth_run = depth
         for m in self.members:
@@ -157,40 +173,50 @@ class ModelProposer:
             feed = tok[:, None].astype(mx.uint32)
         mx.eval(tokens)
         table = mx.stack(tokens, axis=1).tolist()
+        sampled = {m.key: j for j, m in enumerate(self._sampled)}
+        if sampled:  # (sampled members, depth, V): each member's law at every depth
+            stacked = mx.stack(laws, axis=1)
+            if dv < self.target_vocab:
+                stacked = mx.pad(stacked, [(0, 0), (0, 0), (0, self.target_vocab - dv)])
         drafts, q = {}, {}
         for j, m in enumerate(members):
             k = want.get(m.key, 0)
             if not k:
                 continue
             drafts[m.key] = table[j][:k]
-            if not m.params.greedy:
-                law = mx.stack([laws[s][j] for s in range(k)])
-                if dv < self.target_vocab:
-                    pad = mx.zeros((k, self.target_vocab - dv), mx.float32)
-                    law = mx.concatenate([law, pad], axis=-1)
-                q[m.key] = law
+            if m.key in sampled:
+                q[m.key] = stacked[sampled[m.key], :k]
         return drafts, q
 
     def _sample(self, logits, step):
+        """Tokens for every member at this depth, and the laws of the sampled members
+        (in self._sampled order) they were drawn from."""
         greedy = mx.argmax(logits, axis=-1)
-        if all(m.params.greedy for m in self.members):
+        index = [j for j, m in enumerate(self.members) if not m.params.greedy]
+        self._sampled = [self.members[j] for j in index]
+        if not index:
             return greedy, None
-        toks, laws = [], []
-        for j, m in enumerate(self.members):
-            if m.params.greedy:
-                toks.append(greedy[j])
-                laws.append(None)
-                continue
-            law = sampling.probs(logits[j], m.params)
-            noise = sampling.gumbel_rows(m.seed, m.position + step, 1, logits.shape[-1], DRAW_DRAFT)
-            toks.append(sampling.sample_rows(law[None], noise)[0])
-            laws.append(law)
-        return mx.stack(toks), laws
+        rows = mx.array(index)
+        law = sampling.probs_rows(logits[rows], [m.params for m in self._sampled])
+        keys = sampling.position_keys(
+            [m.seed for m in self._sampled],
+            [m.position + step for m in self._sampled],
+            1,
+            DRAW_DRAFT,
+        )
+        drawn = sampling.sample_rows(law, sampling.gumbel_table(keys, law.shape[-1])[:, 0])
+        if len(index) == len(self.members):
+            return drawn, law
+        spread = mx.zeros(greedy.shape, greedy.dtype).at[rows].add(drawn.astype(greedy.dtype))
+        is_sampled = mx.array([not m.params.greedy for m in self.members])
+        return mx.where(is_sampled, spread, greedy), law
 
     def commit(self, emitted: dict, accepted: dict) -> None:
         """After verification: emitted[key] = tokens the row put out this step (accepted
         drafts + the target's token), accepted[key] = how many drafts passed."""
         depth = self.depth
+        for key, (ids, _, _) in self.cold.items():
+            ids.extend(emitted.get(key, []))
         drop = []
         for m in self.members:
             out = emitted.get(m.key, [])
@@ -207,10 +233,14 @@ class ModelProposer:
         self.depth = 0
 
     def lengths(self) -> dict:
-        """{key: tokens in the draft cache} (accepted tokens minus pending)."""
-        return dict(zip((m.key for m in self.members), self.rows.offset.tolist(), strict=True))
+        """{key: tokens in the draft cache} (accepted tokens minus pending; 0 when cold)."""
+        found = dict(zip((m.key for m in self.members), self.rows.offset.tolist(), strict=True))
+        return {**found, **dict.fromkeys(self.cold, 0)}
 
     def pending(self, key) -> list[int]:
+        """Accepted tokens of a row the draft model has not read yet."""
+        if key in self.cold:
+            return list(self.cold[key][0])
         return next(m.pending for m in self.members if m.key == key)
 
 
@@ -282,25 +312,28 @@ class DFlashProposer:
             return {}, {}
         logits = self.drafter_logits([last[k] for k in self.keys])[:, :depth]
         greedy = mx.argmax(logits, axis=-1).tolist()
+        sampled = [i for i, key in enumerate(self.keys) if not self.params[key].greedy]
+        if sampled:  # one draw for every sampled row and block position
+            keys = [self.keys[i] for i in sampled]
+            laws = sampling.probs_rows(logits[mx.array(sampled)], [self.params[k] for k in keys])
+            noise = sampling.gumbel_table(
+                sampling.position_keys(
+                    [self.seeds[k] for k in keys], [positions[k] for k in keys], depth, DRAW_DRAFT
+                ),
+                laws.shape[-1],
+            )
+            drawn = dict(zip(keys, sampling.sample_rows(laws, noise).tolist(), strict=True))
+            law_of = {k: j for j, k in enumerate(keys)}
         drafts, q = {}, {}
         for i, key in enumerate(self.keys):
             k = min(want.get(key, 0), depth)
             if not k:
                 continue
-            params = self.params[key]
-            if params.greedy:
+            if self.params[key].greedy:
                 drafts[key] = greedy[i][:k]
                 continue
-            law = sampling.probs(logits[i, :k], params)  # (k, V)
-            seed, start = self.seeds[key], positions[key]
-            noise = mx.concatenate(
-                [
-                    sampling.gumbel_rows(seed, start + j, 1, law.shape[-1], DRAW_DRAFT)
-                    for j in range(k)
-                ]
-            )
-            drafts[key] = sampling.sample_rows(law, noise).tolist()
-            q[key] = law
+            drafts[key] = drawn[key][:k]
+            q[key] = laws[law_of[key], :k]
         return drafts, q
 
     def drafter_logits(self, last_tokens: list[int]) -> mx.array:

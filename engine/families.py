@@ -116,9 +116,8 @@ def _refusal(model, index: int, kind: str) -> str:
     return (
         f"model type {model_type!r}: layer {index} keeps its state in a {kind}, which "
         "this engine cannot batch or roll back exactly, so it would change the output; "
-        "nothing runs on it here (run it with mlx_lm.generate, or pick a model whose "
-        "layers are full attention, sliding-window attention or ArraysCache recurrent "
-        "state)"
+        "no speculation or batching runs on it here (or pick a model whose layers are "
+        "full attention, sliding-window attention or ArraysCache recurrent state)"
     )
 
 
@@ -145,7 +144,7 @@ def check_model(model, role: str) -> Counter:
             raise UnsupportedModelError(
                 f"{role} model: recurrent layer {silent[0]} does not go through a mixer "
                 f"named one of {', '.join(MIXER_NAMES)}, so its state could not be rolled "
-                "back per row; nothing runs on it here"
+                "back per row; no speculation or batching runs on it here"
                 + (
                     "; drafters 'lookup' and 'none' still work without it"
                     if role == "draft"
@@ -155,14 +154,17 @@ def check_model(model, role: str) -> Counter:
     return layer_kinds(model)
 
 
-def features(target, draft, block_drafter=None) -> Features:
+def features(target, draft, block_drafter=None, plain_only: bool = False) -> Features:
     """Features of a pair whose models passed `check_model` (`block_drafter`: a DFlash
-    drafter, which serves drafter "model" and has no cache of its own kinds)."""
+    drafter, which serves drafter "model" and has no cache of its own kinds), or of a
+    plain-only target (engine.plain: no drafter but "none", no batching)."""
     has_draft = draft is not None or block_drafter is not None
     drafters = DRAFTERS if has_draft else ("lookup", "none")
+    if plain_only:
+        drafters = ("none",)
     return Features(
         drafters=drafters,
-        batching=True,
+        batching=not plain_only,
         target_layers=dict(layer_kinds(target)),
         draft_layers=dict(layer_kinds(draft)) if draft is not None else {},
     )

@@ -43,6 +43,9 @@ class ModelPair:
     name: str
     controller: Any = field(default=None, repr=False)
     dflash: Any = None  # an engine.dflash.DFlashDrafter when --draft names one (draft is None)
+    #: Why the target runs with plain decoding only (a layer kind with no exact ragged
+    #: form: engine.plain), or None when the speculative decoder runs it.
+    plain_only: str | None = None
 
     def info(self) -> dict:
         """Versions, device, BLAS and model facts, for logs and `spec-doctor`."""
@@ -68,7 +71,7 @@ class ModelPair:
         (a families.Features)."""
         from .families import features
 
-        return features(self.target, self.draft, self.dflash)
+        return features(self.target, self.draft, self.dflash, plain_only=bool(self.plain_only))
 
 
 def _num_params(model: nn.Module) -> int:
@@ -153,16 +156,27 @@ def load_pair(
 
     With no arguments: the bundled demo pair. With a target but no draft: the
     target alone (drafters "lookup" and "none" still work). On the CPU backend
-    weights are cast to float32. Raises ModelLoadError (families.UnsupportedModelError
-    for a model whose layers the engine cannot keep exact) or TokenizerMismatchError.
+    weights are cast to float32. A target whose layers the speculative decoder cannot
+    keep exact (families.check_model) loads without a draft for plain decoding only
+    (engine.plain), with a warning. Raises ModelLoadError (families.UnsupportedModelError
+    for such a target given with a draft, or such a draft) or TokenizerMismatchError.
     """
-    from .families import check_model
+    from .families import UnsupportedModelError, check_model
 
     if target is None and draft is None and use_draft:
         draft = DEMO_DRAFT
     target_path = _resolve(target, DEMO_TARGET)
     model, tokenizer, config = _load_one(target_path, "target")
-    check_model(model, "target")
+    plain_only = None
+    try:
+        check_model(model, "target")
+    except UnsupportedModelError as exc:
+        if draft is not None and use_draft:
+            raise UnsupportedModelError(
+                f"{exc}; load it without a draft: plain decoding (drafter 'none') still "
+                "works, one request at a time"
+            ) from exc
+        plain_only = str(exc)
     draft_model, draft_path, draft_vocab = None, None, 0
     target_vocab = _vocab_rows(model, config)
     dflash = None
@@ -188,9 +202,18 @@ def load_pair(
         draft_vocab=draft_vocab,
         name=name,
         dflash=dflash,
+        plain_only=plain_only,
     )
     from .adaptive import DraftController
 
-    pair.controller = DraftController.for_pair(pair, calibrate=calibrate)
+    # Calibration times speculative passes, which a plain-only target never runs.
+    pair.controller = DraftController.for_pair(pair, calibrate=calibrate and not plain_only)
     log.info("loaded %s on %s, %s", pair.name, mx.default_device(), blas_info())
+    if plain_only:
+        log.warning(
+            "%s: %s. Serving it with plain decoding only: every request runs as drafter "
+            "'none' (the same text), one row per forward pass, no speculation or batching",
+            pair.name,
+            plain_only,
+        )
     return pair

@@ -6,14 +6,18 @@ mlx-lm's order, on log-probabilities, then divides by the temperature.
 
 Random draws are keyed by the request seed and the absolute output position, not
 by how many draws came before, so an output does not depend on what the process
-ran earlier or on how requests were batched together.
+ran earlier or on how requests were batched together. The numbers come from a
+counter-based hash (splitmix64 keys, murmur3 mixing), so one pass of array
+operations draws for every row and position of a batch at once.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.sample_utils import apply_min_p, apply_top_k, apply_top_p
 
 # Purposes of a random draw at one position; each gets its own stream.
@@ -62,40 +66,74 @@ def probs(logits: mx.array, params: SamplingParams) -> mx.array:
     return mx.softmax(logprobs * (1.0 / params.temperature), axis=-1, precise=True)
 
 
-def _mix64(x: int) -> int:
-    # splitmix64 finaliser: spreads nearby (seed, position) pairs far apart.
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
+def _mix64(x: np.ndarray) -> np.ndarray:
+    # splitmix64 finaliser, elementwise on uint64: spreads nearby (seed, position)
+    # pairs far apart. numpy's uint64 arithmetic wraps modulo 2^64, as intended.
+    with np.errstate(over="ignore"):
+        x = x + np.uint64(0x9E3779B97F4A7C15)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return x ^ (x >> np.uint64(31))
 
 
-def position_key(seed: int, position: int, purpose: int) -> mx.array:
-    """An MLX PRNG key that depends only on (seed, position, purpose)."""
-    h = _mix64(_mix64(_mix64(seed & _MASK64) ^ position) ^ purpose)
-    return mx.array([h >> 32, h & 0xFFFFFFFF], dtype=mx.uint32)
+def position_keys(seeds: Sequence[int], starts: Sequence[int], width: int, purpose: int):
+    """(rows, width) uint64 keys: row r, column i keyed by (seeds[r], starts[r] + i,
+    purpose) and by nothing else."""
+    seed = np.array([s & _MASK64 for s in seeds], dtype=np.uint64)[:, None]
+    position = np.array(starts, dtype=np.uint64)[:, None] + np.arange(width, dtype=np.uint64)
+    return _mix64(_mix64(_mix64(seed) ^ position) ^ np.uint64(purpose))
 
 
-def gumbel_rows(seed: int, start: int, n: int, vocab: int, purpose: int) -> mx.array:
-    """(n, vocab) Gumbel noise, row i keyed by output position start + i."""
-    return mx.stack(
-        [
-            mx.random.gumbel(shape=(vocab,), key=position_key(seed, start + i, purpose))
-            for i in range(n)
-        ]
-    )
+_C1, _C2, _C3 = (mx.array(c, dtype=mx.uint32) for c in (0x85EBCA6B, 0xC2B2AE35, 0x9E3779B1))
+_S13, _S16, _S8 = (mx.array(c, dtype=mx.uint32) for c in (13, 16, 8))
 
 
-def uniforms(seed: int, start: int, n: int) -> mx.array:
-    """n uniforms in [0, 1), one per output position, for accept/reject tests."""
-    return mx.concatenate(
-        [
-            mx.random.uniform(shape=(1,), key=position_key(seed, start + i, DRAW_ACCEPT))
-            for i in range(n)
-        ]
-    )
+def _fmix32(h: mx.array) -> mx.array:
+    # murmur3's finaliser: a bijection of uint32 with full avalanche.
+    h = h ^ (h >> _S16)
+    h = h * _C1
+    h = h ^ (h >> _S13)
+    h = h * _C2
+    return h ^ (h >> _S16)
+
+
+def _hash_uniform(keys: np.ndarray, n: int) -> mx.array:
+    """(rows, width, n) uniforms in (0, 1): element j of column (r, i) hashed from
+    keys[r, i] and j (a counter-based generator: no state, one pass for every row)."""
+    hi = mx.array((keys >> np.uint64(32)).astype(np.uint32))[..., None]
+    lo = mx.array((keys & np.uint64(0xFFFFFFFF)).astype(np.uint32))[..., None]
+    j = mx.arange(n, dtype=mx.uint32)
+    h = _fmix32(_fmix32(j * _C3 + lo) ^ hi)
+    h = _fmix32(h + lo)
+    return ((h >> _S8).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+def gumbel_table(keys: np.ndarray, vocab: int) -> mx.array:
+    """(rows, width, vocab) Gumbel noise, column (r, i) keyed by keys[r, i]."""
+    return -mx.log(-mx.log(_hash_uniform(keys, vocab)))
+
+
+def uniform_table(keys: np.ndarray) -> mx.array:
+    """(rows, width) uniforms in (0, 1) for accept/reject tests, keyed like gumbel_table."""
+    return _hash_uniform(keys, 1)[..., 0]
 
 
 def sample_rows(p: mx.array, noise: mx.array) -> mx.array:
     """Draw one token per row of probabilities p using Gumbel noise (Gumbel-max)."""
     return mx.argmax(mx.log(p) + noise, axis=-1)
+
+
+def probs_rows(logits: mx.array, params: Sequence[SamplingParams]) -> mx.array:
+    """probs() for rows (R, ..., V) with their own settings params[r]; rows that share
+    settings go through one call."""
+    groups: dict[SamplingParams, list[int]] = {}
+    for r, prm in enumerate(params):
+        groups.setdefault(prm, []).append(r)
+    if len(groups) == 1:
+        return probs(logits, params[0])
+    order, parts = [], []
+    for prm, rows in groups.items():
+        order += rows
+        parts.append(probs(logits[mx.array(rows)], prm))
+    inverse = np.argsort(np.array(order))
+    return mx.concatenate(parts)[mx.array(inverse)]

@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 
-from .batch import BatchDecoder, SpeculativeDecoder
+from .batch import SpeculativeDecoder, new_decoder
 from .core import MAX_DRAFT_TOKENS
 from .drafters import DRAFTERS
 from .sampling import SamplingParams
@@ -110,7 +110,10 @@ class RequestRun:
                 f"({pair.context_length} tokens); shorten the prompt or lower max_tokens"
             )
         dflash = getattr(pair, "dflash", None) is not None
-        if request.drafter == "model" and pair.draft is None and not dflash:
+        # A plain-only target (engine.plain) runs every request as drafter "none": the
+        # text is what any drafter would give.
+        self.drafter = "none" if getattr(pair, "plain_only", None) else request.drafter
+        if self.drafter == "model" and pair.draft is None and not dflash:
             raise InvalidRequestError(
                 "drafter: 'model' needs a draft model and this engine has none; "
                 "use 'lookup' or 'none'"
@@ -122,11 +125,11 @@ class RequestRun:
             request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little")
         )
         self.plan = None
-        if request.num_draft_tokens == "auto" and request.drafter != "none":
-            self.plan = pair.controller.plan(request.drafter, self.params.greedy)
+        if request.num_draft_tokens == "auto" and self.drafter != "none":
+            self.plan = pair.controller.plan(self.drafter, self.params.greedy)
         # "model" is the worker's draft, whatever its kind; statistics name the kind.
         self.stats = SpecStats(
-            drafter="dflash" if dflash and request.drafter == "model" else request.drafter
+            drafter="dflash" if dflash and self.drafter == "model" else self.drafter
         )
         self.stops = request.stop_strings()
         self.hold = max((len(s) for s in self.stops), default=1) - 1
@@ -146,7 +149,7 @@ class RequestRun:
             self.ids,
             self.params,
             seed=self.seed,
-            drafter=r.drafter,
+            drafter=self.drafter,
             num_draft_tokens=r.num_draft_tokens,
             max_tokens=r.max_tokens,
             plan=self.plan,
@@ -258,7 +261,7 @@ def generate_many(
     every step, rows for which `expired(index)` is true are dropped and yielded
     as (index, RequestExpired).
     """
-    batch = BatchDecoder(pair)
+    batch = new_decoder(pair)
     runs: dict[int, RequestRun] = {}
     waiting = iter(enumerate(requests))
     while True:
@@ -278,7 +281,7 @@ def generate_many(
                 run.ids,
                 run.params,
                 seed=run.seed,
-                drafter=request.drafter,
+                drafter=run.drafter,
                 num_draft_tokens=request.num_draft_tokens,
                 max_tokens=request.max_tokens,
                 plan=run.plan,

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import json
 
+import chisquare
 import mlx.core as mx
 import mlx_lm
 import pytest
 from test_dflash import drafter_config
 from test_engine_sampling import (
     LENGTH,
-    N_MUTANT,
     P_FAIL,
     PARAMS,
     PROMPT,
@@ -31,7 +31,6 @@ from tiny_models import build_llama, reference_greedy
 
 import engine
 from engine import GenerationRequest, drafters
-from engine.batch import BatchDecoder, SpeculativeDecoder
 from engine.dflash import DFlashModel, load_dflash, save_dflash
 from engine.loading import DEMO_DIR, ModelPair
 
@@ -44,7 +43,10 @@ PROMPTS = [
 ]
 MODES = [1, 3, 7, "auto"]
 N_DRAWS = 20_000  # batched
-N_SINGLE = 6_000  # one row at a time through the single-request path (slow: ~10 ms each)
+N_SINGLE = 1_500  # one row at a time through the single-request path, on top of ...
+N_EQUAL = 300  # ... seed-for-seed equality with the batched path
+N_MUTANT = 10_000  # a sharpened q is a subtle error: it takes more draws to show
+BLOCKS = (("model", 1), ("model", 2), ("model", 3))  # block lengths 1..3 mixed
 
 
 @pytest.fixture(scope="module")
@@ -142,58 +144,26 @@ def small_vocab_dflash(tmp_path_factory) -> ModelPair:
     return pair
 
 
-def draw(pair, n: int, seed0: int, rows: int) -> dict:
+def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
     """n sequences of LENGTH tokens; block lengths 1..3 mixed; rows join as others end."""
-    batch = BatchDecoder(pair) if rows > 1 else None
-    counts: dict = {}
-    out: dict = {}
-    started = 0
-    while started < n or out:
-        if batch is None:  # one row at a time: the single-request path
-            dec = SpeculativeDecoder(
-                pair,
-                PROMPT,
-                PARAMS,
-                seed=seed0 + started,
-                drafter="model",
-                num_draft_tokens=1 + started % 3,
-                max_tokens=LENGTH,
-            )
-            seq = tuple([t for s in dec.steps() for t in s.tokens][:LENGTH])
-            counts[seq] = counts.get(seq, 0) + 1
-            started += 1
-            if started >= n:
-                break
-            continue
-        while started < n and len(out) < rows:
-            batch.add(
-                started,
-                PROMPT,
-                PARAMS,
-                seed=seed0 + started,
-                drafter="model",
-                num_draft_tokens=1 + started % 3,
-                max_tokens=LENGTH,
-            )
-            out[started] = []
-            started += 1
-        for key, step in batch.step().items():
-            out[key].extend(step.tokens)
-            if len(out[key]) >= LENGTH:
-                seq = tuple(out.pop(key)[:LENGTH])
-                counts[seq] = counts.get(seq, 0) + 1
-                batch.remove(key)
-    return counts
+    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=BLOCKS)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows", [100, 1])
+@pytest.mark.parametrize("rows", [chisquare.ROWS, 1])
 def test_dflash_sampling_follows_the_target_law(small_vocab_dflash, rows):
     law = exact_law(small_vocab_dflash)
     assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
     n = N_DRAWS if rows > 1 else N_SINGLE
     counts = draw(small_vocab_dflash, n, seed0=5_000_000 + rows, rows=rows)
     assert chi_square_p(law, counts) > P_FAIL
+
+
+def test_dflash_single_requests_draw_what_batched_rows_draw(small_vocab_dflash):
+    """Seed for seed, so the single path's law is the batched path's law."""
+    chisquare.single_equals_batched(
+        small_vocab_dflash, N_EQUAL, 7_000_000, PROMPT, PARAMS, LENGTH, setups=BLOCKS
+    )
 
 
 def test_a_dflash_law_at_the_wrong_temperature_fails_the_test(small_vocab_dflash, monkeypatch):
@@ -207,5 +177,5 @@ def test_a_dflash_law_at_the_wrong_temperature_fails_the_test(small_vocab_dflash
         return found, sharp
 
     monkeypatch.setattr(drafters.DFlashProposer, "propose", wrong_law)
-    counts = draw(small_vocab_dflash, N_MUTANT, seed0=6_000_000, rows=100)
+    counts = draw(small_vocab_dflash, N_MUTANT, seed0=6_000_000)
     assert chi_square_p(exact_law(small_vocab_dflash), counts) < P_FAIL

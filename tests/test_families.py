@@ -217,10 +217,10 @@ def test_a_layer_kind_without_an_exact_ragged_form_is_refused_at_load(tmp_path, 
     assert str(err.value) == (
         "draft model: model type 'llama': layer 0 keeps its state in a QuantizedKVCache, "
         "which this engine cannot batch or roll back exactly, so it would change the "
-        "output; nothing runs on it here (run it with mlx_lm.generate, or pick a model "
-        "whose layers are full attention, sliding-window attention or ArraysCache "
-        "recurrent state); load the target without this draft: drafters 'lookup' and "
-        "'none' still work"
+        "output; no speculation or batching runs on it here (or pick a model whose "
+        "layers are full attention, sliding-window attention or ArraysCache recurrent "
+        "state); load the target without this draft: drafters 'lookup' and 'none' still "
+        "work"
     )
     assert isinstance(err.value, engine.ModelLoadError)
     pair = engine.load_pair(target, None, calibrate=False)  # what still works, works
@@ -234,3 +234,47 @@ def test_a_recurrent_layer_whose_mixer_is_unknown_is_refused(tmp_path, monkeypat
     monkeypatch.setattr(families, "MIXER_NAMES", ("linear_attn",))
     with pytest.raises(UnsupportedModelError, match="target model: recurrent layer 0 does not"):
         check_model(model, "target")
+
+
+# -- plain decoding for what the speculative decoder cannot keep exact --------------------
+def test_a_target_without_an_exact_ragged_form_runs_plain_decoding(tmp_path, caplog):
+    """falcon_h1 keeps each layer's state in a CacheList: no speculation or batching,
+    but every request is answered with the target-only text, single and batched, in
+    every drafter mode (statistics say "none"), and seeded sampling is reproducible."""
+    with caplog.at_level("WARNING", logger="specfleet.engine"):
+        pair = family_pair(tmp_path, "falcon_h1", None)
+    assert "CacheList" in caplog.text and "plain decoding only" in caplog.text
+    assert pair.features().drafters == ("none",) and pair.features().batching is False
+    requests, refs = [], []
+    for j, ((drafter, k), prompt) in enumerate(zip(MODES, PROMPTS, strict=True)):
+        ids = pair.tokenizer.encode(prompt)
+        requests.append(
+            engine.GenerationRequest(
+                prompt_ids=ids, max_tokens=10 + j, drafter=drafter, num_draft_tokens=k
+            )
+        )
+        refs.append(reference_greedy(pair, ids, 10 + j))
+    single = [engine.generate(pair, r) for r in requests]
+    assert [r.token_ids for r in single] == refs
+    assert {r.metrics["speculative_decoding"]["drafter"] for r in single} == {"none"}
+    got = dict(engine.generate_many(pair, requests, max_batch=3))
+    assert {i: r.token_ids for i, r in got.items()} == dict(enumerate(refs))
+    sampled = [
+        engine.GenerationRequest(prompt=p, max_tokens=8, temperature=0.9, seed=i)
+        for i, p in enumerate(PROMPTS[:4])
+    ]
+    alone = [engine.generate(pair, r).token_ids for r in sampled]
+    together = dict(engine.generate_many(pair, sampled, max_batch=4))
+    assert [together[i].token_ids for i in range(4)] == alone
+
+
+def test_such_a_target_with_a_draft_is_refused_naming_what_still_works(tmp_path):
+    with pytest.raises(UnsupportedModelError) as err:
+        family_pair(tmp_path, "falcon_h1", "llama")
+    assert "target model: model type 'falcon_h1': layer 0 keeps its state in a CacheList" in str(
+        err.value
+    )
+    assert str(err.value).endswith(
+        "load it without a draft: plain decoding (drafter 'none') still works, one request "
+        "at a time"
+    )

@@ -3,25 +3,20 @@
 As tests/test_engine_sampling.py does for llama: a 6-token vocabulary, the exact law
 of the first three tokens under target-only sampling enumerated with mlx-lm's own
 caches, and sequences drawn through the batched decoder (what generate_many runs)
-with mixed drafters and draft lengths, rows joining as others finish; Pearson
-chi-square fails at p < 1e-6. The gemma3_text pair has a window of 2 and a prompt
+with mixed drafters and draft lengths, rows joining as others finish, and through the
+single path (seed for seed equal to the batched draws, and on its own); Pearson
+chi-square fails at p < 1e-6 (tests/chisquare.py). The gemma3_text pair has a window of 2 and a prompt
 of 4, so every draw depends on the window; the qwen3_5 pair is gated delta-net
 layers between full attention. A broken rollback of each kind must fail the test.
 """
 
 from __future__ import annotations
 
-import functools
-import itertools
-
+import chisquare
 import mlx.core as mx
-import numpy as np
 import pytest
-from scipy.stats import chisquare
 from tiny_families import build_model, tokenizer_dir
 
-from engine import sampling
-from engine.batch import BatchDecoder
 from engine.loading import ModelPair
 from engine.sampling import SamplingParams
 
@@ -29,12 +24,12 @@ VOCAB = 6
 PROMPT = [1, 4, 2, 5]
 LENGTH = 3
 PARAMS = SamplingParams(temperature=0.7, top_p=0.9)
-P_FAIL = 1e-6
-N_SEQUENCES = 20_000  # the full test (slow: sampled rows verify one by one, ~4 ms each here)
-N_QUICK = 600  # the default run: enough for a law over 10-20 sequences
+P_FAIL = chisquare.P_FAIL
+N_SEQUENCES = 20_000  # through the batched decoder
+N_SINGLE = 1_500  # through the single-request decoder, on top of seed-for-seed equality
+N_EQUAL = 300  # seeds drawn alone and in a batch
 N_MUTANT = 600
 SCALE = 2.0  # a law spread over 10-20 sequences: few draws test it well
-SETUPS = [("model", 1), ("model", 2), ("model", 3), ("lookup", 2), ("none", 1)]
 
 
 def _pair(tmp, family: str) -> ModelPair:
@@ -66,72 +61,37 @@ def pair(request, tmp_path_factory) -> ModelPair:
 
 def exact_law(pair: ModelPair) -> dict[tuple[int, ...], float]:
     """P(first LENGTH tokens) under target-only sampling, by enumeration."""
-
-    @functools.cache
-    def next_law(prefix):
-        logits = pair.target(mx.array([PROMPT + list(prefix)]), cache=pair.target.make_cache())
-        return np.array(sampling.probs(logits[0, -1], PARAMS), dtype=np.float64)
-
-    law = {}
-    for seq in itertools.product(range(VOCAB), repeat=LENGTH):
-        p = 1.0
-        for i in range(LENGTH):
-            p *= next_law(seq[:i])[seq[i]]
-        law[seq] = p
-    return law
+    return chisquare.exact_law(pair.target, PROMPT, PARAMS, LENGTH, VOCAB)
 
 
-def draw(pair: ModelPair, n: int, seed0: int, rows: int) -> dict[tuple[int, ...], int]:
-    """n sequences through the batched decoder, at most `rows` at a time."""
-    batch = BatchDecoder(pair)
-    out: dict[int, list[int]] = {}
-    counts: dict[tuple[int, ...], int] = {}
-    started = 0
-    while started < n or out:
-        while started < n and len(out) < rows:
-            drafter, k = SETUPS[started % len(SETUPS)]
-            batch.add(
-                started,
-                PROMPT,
-                PARAMS,
-                seed=seed0 + started,
-                drafter=drafter,
-                num_draft_tokens=k,
-                max_tokens=LENGTH,
-            )
-            out[started] = []
-            started += 1
-        for key, step in batch.step().items():
-            out[key].extend(step.tokens)
-            if len(out[key]) >= LENGTH:
-                seq = tuple(out.pop(key)[:LENGTH])
-                counts[seq] = counts.get(seq, 0) + 1
-                batch.remove(key)
-    return counts
+def draw(pair: ModelPair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
+    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows)
 
 
-def chi_square_p(law, counts) -> float:
-    n = sum(counts.values())
-    if any(law.get(s, 0) == 0 for s in counts):
-        return 0.0
-    keys = [s for s, p in law.items() if p > 0]
-    observed = np.array([counts.get(s, 0) for s in keys], dtype=np.float64)
-    expected = np.array([law[s] for s in keys]) * n
-    return float(chisquare(observed, expected * n / expected.sum()).pvalue)
+chi_square_p = chisquare.chi_square_p
 
 
-def test_sampling_matches_target_law_quick(pair):
+def test_the_law_is_spread_out(pair):
     law = exact_law(pair)
     assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
     assert sum(p > 0.01 for p in law.values()) >= 7, "the law should spread over many sequences"
-    assert chi_square_p(law, draw(pair, N_QUICK, seed0=5_000_000, rows=250)) > P_FAIL
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("rows", [250, 1])
-def test_sampling_matches_target_law(pair, rows):
+def test_sampling_matches_target_law(pair):
     law = exact_law(pair)
-    assert chi_square_p(law, draw(pair, N_SEQUENCES, seed0=6_000_000, rows=rows)) > P_FAIL
+    assert chi_square_p(law, draw(pair, N_SEQUENCES, seed0=6_000_000)) > P_FAIL
+
+
+def test_single_requests_draw_what_batched_rows_draw(pair):
+    """Seed for seed, so the single path's law is the batched path's law."""
+    chisquare.single_equals_batched(pair, N_EQUAL, 9_000_000, PROMPT, PARAMS, LENGTH)
+
+
+@pytest.mark.slow
+def test_single_requests_match_target_law(pair):
+    law = exact_law(pair)
+    assert chi_square_p(law, draw(pair, N_SINGLE, seed0=5_000_000, rows=1)) > P_FAIL
 
 
 def _break_rollback(monkeypatch, family: str) -> None:
@@ -152,4 +112,4 @@ def _break_rollback(monkeypatch, family: str) -> None:
 def test_chi_square_catches_a_broken_rollback(pair, monkeypatch):
     law = exact_law(pair)
     _break_rollback(monkeypatch, pair.name)
-    assert chi_square_p(law, draw(pair, N_MUTANT, seed0=7_000_000, rows=250)) < P_FAIL
+    assert chi_square_p(law, draw(pair, N_MUTANT, seed0=7_000_000)) < P_FAIL

@@ -54,11 +54,13 @@ def test_a_killed_workers_job_is_requeued_even_while_the_others_are_busy(
     lines = [{"custom_id": "a", **long}, {"custom_id": "b", **long}]
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = redis_env.batch_id()
-    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     workers = {
         name: start_worker("--name", name, *slow_pair_args)
         for name in (f"{redis_env.prefix}-w0", f"{redis_env.prefix}-w1")
     }
+    for worker in workers.values():  # both ready before the jobs come: one each
+        worker.wait_for_log("Listening on", timeout=180)
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
 
     # Both busy, one job each; the worker running a is killed, the other keeps running b.
     def both_busy():

@@ -1,0 +1,76 @@
+"""Plain decoding for a target whose layers the speculative decoder cannot keep exact.
+
+Some mlx-lm families keep layer state in kinds that have no ragged form here
+(`CacheList` in falcon_h1, chunked attention in llama4, quantized KV caches...):
+their rows cannot roll back or share a batch exactly. Plain decoding never rolls
+back, so such a target still runs, through mlx-lm's own cache, one row per forward
+pass: every request is answered, with the text target-only decoding gives, drafters
+and batching aside (statistics say drafter "none").
+
+`PlainDecoder` has the BatchDecoder interface (`add`, `remove`, `step`), so the text
+layer, `generate_many` and the workers drive it unchanged; rows added together are
+decoded in turn, each with the sampling law and (seed, position)-keyed randomness
+the speculative decoder uses for a row that drafts nothing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import mlx.core as mx
+
+from . import sampling
+from .core import InvalidRequestError, Step
+
+
+@dataclass
+class _PlainRow:
+    key: object
+    params: sampling.SamplingParams
+    seed: int
+    pending: int  # the newest token, not yet fed to the target
+    cache: list = field(repr=False, default_factory=list)
+    generated: int = 0
+
+
+class PlainDecoder:
+    """Decode rows one forward pass at a time each, on mlx-lm's own caches."""
+
+    def __init__(self, pair):
+        self.pair = pair
+        self.rows: list[_PlainRow] = []
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def add(self, key, prompt_ids: list[int], params, *, seed: int, **_ignored) -> None:
+        """Queue a row (drafting options are ignored: nothing drafts here)."""
+        if not prompt_ids:
+            raise InvalidRequestError("the prompt is empty: give at least one token")
+        model = self.pair.target
+        cache = model.make_cache()
+        if len(prompt_ids) > 1:
+            model(mx.array([prompt_ids[:-1]]), cache=cache)
+            mx.eval([c.state for c in cache])
+        self.rows.append(_PlainRow(key, params, seed, prompt_ids[-1], cache))
+
+    def remove(self, key) -> None:
+        self.rows = [r for r in self.rows if r.key != key]
+
+    def step(self) -> dict:
+        """One token for every row: {row key: Step}."""
+        steps = {}
+        for row in self.rows:
+            t0 = time.perf_counter()
+            logits = self.pair.target(mx.array([[row.pending]]), cache=row.cache)[:, -1]
+            if row.params.greedy:
+                token = mx.argmax(logits, axis=-1)
+            else:
+                p = sampling.probs(logits, row.params)
+                keys = sampling.position_keys([row.seed], [row.generated], 1, sampling.DRAW_TARGET)
+                token = sampling.sample_rows(p, sampling.gumbel_table(keys, p.shape[-1])[:, 0])
+            row.pending = int(token.item())
+            row.generated += 1
+            steps[row.key] = Step([row.pending], 0, 0, 0.0, time.perf_counter() - t0, "none")
+        return steps
