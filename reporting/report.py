@@ -62,7 +62,6 @@ def parse_line(obj: dict) -> Line:
     for a line whose fields have the wrong types (the report could not sum it)."""
     try:
         line = _parse(obj)
-        summarize([line])
         if not all(math.isfinite(t) for t in (line.created or 0.0, line.generation_ms)):
             raise ValueError("a time that is not a finite number")
     except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
@@ -89,6 +88,10 @@ def _parse(obj: dict) -> Line:
     worker = obj.get("worker") or metrics.get("worker") or LOCAL_WORKER
     if isinstance(worker, dict):  # metrics.worker: {"name", "host"}
         worker = worker.get("name") or LOCAL_WORKER
+    spec = metrics.get("speculative_decoding")
+    completion_tokens = int(usage.get("completion_tokens") or 0)
+    if spec:  # the counters the report sums, read as integers: a line it cannot sum fails
+        stats.counters_of_line(spec, completion_tokens)
     return Line(
         obj["custom_id"],
         True,
@@ -97,8 +100,8 @@ def _parse(obj: dict) -> Line:
         created=float(body["created"]) if body.get("created") is not None else None,
         generation_ms=float(metrics.get("generation_time_ms") or 0.0),
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-        spec=metrics.get("speculative_decoding"),
+        completion_tokens=completion_tokens,
+        spec=spec,
     )
 
 
@@ -310,6 +313,7 @@ class Aggregate:
         self.seen_ok = 0
         self._size = sample
         self._rng = random.Random(0)
+        self._names: dict[str, str] = {}  # one string per worker name
 
     def add(self, line: Line) -> None:
         self._sums.add(line)
@@ -321,11 +325,24 @@ class Aggregate:
         w.generation_ms += line.generation_ms
         self.seen_ok += 1
         if len(self.sample) < self._size:
-            self.sample.append(line)
+            self.sample.append(self._slim(line))
         else:
             j = self._rng.randrange(self.seen_ok)
             if j < self._size:
-                self.sample[j] = line
+                self.sample[j] = self._slim(line)
+
+    def _slim(self, line: Line) -> Line:
+        """What the per-line plots read of a line (its statistics are summed already):
+        a sampled line costs a few hundred bytes, not its whole parsed body."""
+        worker = self._names.setdefault(line.worker, line.worker)
+        return Line(
+            None,
+            True,
+            worker=worker,
+            created=line.created,
+            generation_ms=line.generation_ms,
+            completion_tokens=line.completion_tokens,
+        )
 
     @property
     def scale(self) -> float:
