@@ -16,6 +16,7 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
     P:batch:B:errors     hash  line key -> error line (jobstore.lines.pack), written once
     P:batch:B:done       list  line keys in the order their line was written
     P:batch:B:workers    hash  "<counter>:<worker>" -> per-worker counters of this batch
+                               (completed, failed, tokens, busy_ms, jobs started)
     P:batch:B:submitting string set (with a TTL) while spec-submit is still enqueueing
                                (without one after a submit that stopped part-way)
     P:batch:B:submit-lock string a random token: held by the one spec-submit enqueueing B

@@ -181,8 +181,13 @@ def store_outcome(
 
 
 def started(ctx: WorkerContext, batch_id: str) -> None:
-    """Note when the batch's first line started decoding."""
-    ctx.conn.hsetnx(ctx.keys.batch(batch_id), "started_at", f"{time.time():.3f}")
+    """A job of the batch starts decoding: note when the batch's first line did, and
+    count the job for this worker (so spec-status lists a worker that holds lines
+    before it has answered any, and still once it has gone quiet)."""
+    with ctx.conn.pipeline(transaction=False) as pipe:
+        pipe.hsetnx(ctx.keys.batch(batch_id), "started_at", f"{time.time():.3f}")
+        pipe.hincrby(ctx.keys.batch_workers(batch_id), f"jobs:{ctx.worker_name}", 1)
+        pipe.execute()
 
 
 def line_failed(batch_id: str, line: Line, exc: BaseException) -> tuple[str, str]:

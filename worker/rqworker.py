@@ -218,9 +218,10 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
         self._last_reap = now
         for queue in self.queues:
             lock = f"{queue.key}:reaper"
-            if not self.connection.set(
-                lock, self.name, nx=True, ex=max(5, int(self.heartbeat_interval))
-            ):
+            # A worker killed while it reaps leaves the lock: it expires within a heartbeat
+            # interval (at least 1 s), so the dead worker's own job is not kept waiting.
+            hold_ms = max(1000, int(self.heartbeat_interval * 1000))
+            if not self.connection.set(lock, self.name, nx=True, px=hold_ms):
                 continue
             try:
                 StartedJobRegistry(
