@@ -9,6 +9,8 @@
   one is frozen (SIGSTOP) past the heartbeat TTL.
 - `spec-cancel` while a job of several lines runs: its lines not started are cancelled,
   not run.
+- A first SIGTERM during a job of several lines: the line being decoded is finished and
+  stored, the job goes back to the queue for the rest, nothing runs twice.
 
 Time is not asserted (STYLE.md); the Redis CPU per line is printed with the figures
 (`pytest tests/test_queue_scale.py -s | grep '^figures:'`) and measured at 1M lines by
@@ -204,3 +206,26 @@ def test_cancel_while_a_job_of_several_lines_runs(
     assert worker.log.count("tokens") == 1  # one line decoded, three never started
     state = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
     assert (state["status"], state["request_counts"]["failed"]) == ("cancelled", 3)
+
+
+def test_a_first_sigterm_finishes_the_line_and_puts_back_the_rest_of_its_job(
+    redis_env, start_worker, slow_pair_args, tmp_path
+):
+    # The first line outlives the signal; the two others are short.
+    lines = [{"custom_id": f"s{i}", **LONG, "max_tokens": 300 if i == 0 else 16} for i in range(3)]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id("stop")
+    env = dict(redis_env.env, SPEC_JOB_LINES="3")  # one job of three lines
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch, env=env).returncode == 0
+    worker = start_worker(*slow_pair_args)
+    (job,) = _wait_until(lambda: _running(redis_env, batch), timeout=120, what="the job")
+    worker.signal(signal.SIGTERM)
+    assert worker.wait(timeout=120) == 0, worker.log
+    conn, keys = redis_env.conn, redis_env.keys
+    assert conn.hkeys(keys.results(batch)) == [b"c:s0"]  # the line it was decoding
+    assert conn.lrange(f"rq:queue:{keys.queue_name('demo')}", 0, -1) == [job.encode()]
+    assert "2 line(s) of the job not started, put back" in worker.log
+    assert start_worker("--burst", *slow_pair_args).wait(timeout=120) == 0
+    out = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [(x["custom_id"], x["error"]) for x in out] == [("s0", None), ("s1", None), ("s2", None)]
+    assert int(conn.hget(keys.batch(batch), "completed")) == 3  # s0 not run or counted again
