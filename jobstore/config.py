@@ -48,6 +48,10 @@ HEARTBEAT_TTL_S = 60
 #: How long a failed RQ job (the queue's record, not the error line) is kept.
 FAILURE_TTL_S = 7 * 24 * 3600
 
+#: A worker's `P:worker:W` hash (lifetime counters, last seen) outlives its last
+#: heartbeat by this long.
+WORKER_STATS_TTL_S = 7 * 24 * 3600
+
 #: Result lines expire this many seconds after the batch's last write; 0 keeps them
 #: until `spec-collect --delete`.
 RESULT_TTL_S = 0
@@ -55,6 +59,16 @@ RESULT_TTL_S = 0
 #: A result or error line longer than this many bytes is not stored: an error line
 #: saying so is stored instead, so one runaway request cannot fill Redis.
 MAX_RESULT_BYTES = 1024 * 1024
+
+#: A worker stores lines that finish in quick succession together, in one call (their
+#: counters summed once): at most STORE_GROUP_LINES lines, none held longer than
+#: STORE_GROUP_WAIT_S; a line that took longer than that to decode is stored at once.
+STORE_GROUP_LINES = 32
+STORE_GROUP_WAIT_S = 0.2
+
+#: Largest line a reader unpacks from Redis (bounds its memory against damaged data;
+#: far above any SPEC_MAX_RESULT_BYTES a worker would use).
+MAX_STORED_LINE_BYTES = 64 * 1024 * 1024
 
 #: Once connected, a command that loses Redis tries again after RECONNECT_BASE_S * 2^n
 #: seconds, at most RECONNECT_CAP_S apart, for ever (a restart is ridden out; Ctrl-C
@@ -73,6 +87,16 @@ SUBMIT_LOCK_WAIT_S = 30
 
 #: Lines per Redis pipeline when enqueueing and collecting (bounds memory).
 CHUNK_LINES = 500
+
+#: Most lines one RQ job carries. A job per line costs Redis ~1 KB and ~70 commands of
+#: RQ bookkeeping; a job of many lines shares that cost, and its lines stay idempotent
+#: one by one (jobstore.store), so a job that runs again skips the lines it answered.
+JOB_LINES_MAX = 64
+
+#: spec-submit aims for at least this many jobs per batch (a small file keeps one line
+#: per job, so a fleet's rows share it out); larger files get up to JOB_LINES_MAX lines
+#: per job: lines per job = total lines // JOB_SPREAD, between 1 and JOB_LINES_MAX.
+JOB_SPREAD = 256
 
 #: A job-file line longer than this many bytes is an error, never read whole.
 MAX_LINE_BYTES = 8 * 1024 * 1024
@@ -114,6 +138,14 @@ def max_result_bytes() -> int:
 def submit_lock_wait_s() -> float:
     """Seconds spec-submit waits for another submit of its batch (SPEC_SUBMIT_LOCK_WAIT_S)."""
     return float(os.environ.get("SPEC_SUBMIT_LOCK_WAIT_S") or SUBMIT_LOCK_WAIT_S)
+
+
+def job_lines(total_lines: int) -> int:
+    """Lines per RQ job for a file of `total_lines` lines (SPEC_JOB_LINES overrides the
+    choice; it is still capped at JOB_LINES_MAX)."""
+    forced = int(os.environ.get("SPEC_JOB_LINES") or 0)
+    chosen = forced if forced > 0 else total_lines // JOB_SPREAD
+    return max(1, min(JOB_LINES_MAX, chosen))
 
 
 def reconnect_cap_s() -> float:
@@ -159,7 +191,8 @@ _PASSWORD_ARG = re.compile(r"([?&][^=&#]*password=)[^&#]*", re.IGNORECASE)
 
 
 def job_timeout_s(max_tokens: int, prompt_chars: int) -> int:
-    """Seconds a job may run before RQ stops it; grows with the work asked for."""
+    """Seconds one line may run before its worker stops it; grows with the work asked
+    for. Stored with the line's request at submit time."""
     return int(
         JOB_TIMEOUT_BASE_S
         + JOB_TIMEOUT_PER_TOKEN_S * max_tokens

@@ -69,6 +69,19 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
 }
 
 
+#: What validation gives a parameter the line does not set (max_tokens and temperature
+#: are always stored: their defaults are settings that may change).
+RECORD_DEFAULTS: dict[str, Any] = {
+    "top_p": 1.0,
+    "top_k": 0,
+    "min_p": 0.0,
+    "seed": None,
+    "stop": None,
+    "num_draft_tokens": "auto",
+    "drafter": "model",
+}
+
+
 @dataclass(frozen=True)
 class JobLine:
     """One valid line, normalised.
@@ -86,17 +99,27 @@ class JobLine:
     echo: dict = field(default_factory=dict)
     prefix: str = ""  # "body." when the line used the envelope form, for messages
 
-    def to_record(self) -> dict:
-        """A JSON-able dict (stored in Redis, read back by `from_record`)."""
-        return {
+    def to_record(self, model: str | None = None) -> dict:
+        """A JSON-able dict (stored in Redis, read back by `from_record`), with `model`
+        when the line names none. Parameters at their defaults (RECORD_DEFAULTS) and an
+        empty echo or prefix are left out: a million queued lines then hold only what
+        their requests said."""
+        record: dict = {
             "line": self.line,
             "custom_id": self.custom_id,
             "endpoint": self.endpoint,
-            "model": self.model,
-            "params": self.params,
-            "echo": self.echo,
-            "prefix": self.prefix,
+            "model": self.model or model,
+            "params": {
+                k: v
+                for k, v in self.params.items()
+                if not (k in RECORD_DEFAULTS and _same(v, RECORD_DEFAULTS[k]))
+            },
         }
+        if self.echo:
+            record["echo"] = self.echo
+        if self.prefix:
+            record["prefix"] = self.prefix
+        return record
 
     @classmethod
     def from_record(cls, record: dict) -> JobLine:
@@ -105,7 +128,7 @@ class JobLine:
             custom_id=record["custom_id"],
             endpoint=record["endpoint"],
             model=record.get("model"),
-            params=dict(record["params"]),
+            params={**RECORD_DEFAULTS, **record["params"]},
             echo=dict(record.get("echo") or {}),
             prefix=record.get("prefix", ""),
         )

@@ -4,29 +4,35 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
 
     P:batch:B            hash  batch meta and summed counters (created_at, source,
                                models, cancelled, result_ttl, started_at, last_done_at,
-                               completed_at, completed, failed, prompt_tokens, completion_tokens,
-                               busy_ms, sd:<counter>, sd:hist:<i>, sd:dpp:<i>,
-                               sd:app:<i>, sd:drafter:<name>, audit_checked,
-                               audit_mismatches)
-    P:batch:B:requests   hash  line key -> the validated line (JobLine record, JSON)
+                               completed_at, jobs (job numbers handed out), completed,
+                               failed, prompt_tokens, completion_tokens, busy_ms,
+                               sd:<counter>, sd:hist:<i>, sd:dpp:<i>, sd:app:<i>,
+                               sd:drafter:<name>, audit_checked, audit_mismatches)
+    P:batch:B:requests   hash  line key -> the validated line (JobLine record, JSON, with
+                               the number of its job and its timeout); deleted once the
+                               line has a result, kept with an error line (spec-retry)
     P:batch:B:order      zset  line key -> line number (every line, valid or not)
-    P:batch:B:results    hash  line key -> result line (JSON), written once
-    P:batch:B:errors     hash  line key -> error line (JSON), written once
+    P:batch:B:results    hash  line key -> result line (jobstore.lines.pack), written once
+    P:batch:B:errors     hash  line key -> error line (jobstore.lines.pack), written once
     P:batch:B:done       list  line keys in the order their line was written
     P:batch:B:workers    hash  "<counter>:<worker>" -> per-worker counters of this batch
+                               (completed, failed, tokens, busy_ms, jobs started)
     P:batch:B:submitting string set (with a TTL) while spec-submit is still enqueueing
                                (without one after a submit that stopped part-way)
     P:batch:B:submit-lock string a random token: held by the one spec-submit enqueueing B
                                (SET NX PX, renewed while it runs, expires by itself)
     P:batches            zset  batch id -> created_at
     P:model:A            hash  a served alias: context_length, tokenizer_json, updated_at
-    P:worker:W           hash  a worker's lifetime counters and model
+    P:worker:W           hash  a worker's lifetime counters, model, host, pid, started_at,
+                               last_seen (refreshed with every heartbeat, busy or idle),
+                               stopped_at (set when it exits cleanly)
     P:refused            list  reports of jobs a worker refused to run (newest first)
     P:probe:<pid>        string a worker's test write while Redis is full (expires in 1 s)
 
-RQ's own keys: queue `P:A` (so `rq:queue:P:A`), jobs `rq:job:B-<digest>-<line>`
-(see `job_id`), failed jobs `rq:failed:P:A`. Their names come from RQ's own classes
-(`Keys.rq_job`, `Keys.rq_failed`), never spelled by hand elsewhere.
+RQ's own keys: queue `P:A` (so `rq:queue:P:A`), jobs `rq:job:B-j<n>` (see `job_id`: one
+job carries 1 to JOB_LINES_MAX lines of one alias), failed jobs `rq:failed:P:A`. Their
+names come from RQ's own classes (`Keys.rq_job`, `Keys.rq_failed`), never spelled by
+hand elsewhere.
 
 A line key is `c:<custom_id>`, or `l:<line>` for a rejected line whose custom_id is
 missing, invalid or a duplicate: one result or error per key, ever.
@@ -34,7 +40,6 @@ missing, invalid or a duplicate: one result or error per key, ever.
 
 from __future__ import annotations
 
-import hashlib
 import re
 import secrets
 import time
@@ -46,8 +51,9 @@ from rq.registry import FailedJobRegistry
 from jobstore import config
 from jobstore.errors import BatchIdError
 
-#: The one function workers run; they refuse jobs naming anything else.
-JOB_FUNCTION = "worker.jobs.run_request"
+#: The one function workers run, with (batch id, [line keys]); they refuse jobs naming
+#: anything else.
+JOB_FUNCTION = "worker.jobs.run_lines"
 #: Called by RQ when a job raised, timed out or was abandoned (writes the error line
 #: once no retries are left).
 FAILURE_CALLBACK = "worker.jobs.on_job_failure"
@@ -72,35 +78,36 @@ def check_batch_id(batch_id: str) -> str:
     return batch_id
 
 
-#: Hex digits of a line key's SHA-256 in its job id (64 bits: no collision in practice).
-JOB_DIGEST_CHARS = 16
+#: Batch hash field: how many job numbers spec-submit and spec-retry have handed out.
+JOBS_FIELD = "jobs"
 
 
 def line_key(custom_id: str | None, line: int) -> str:
     return f"c:{custom_id}" if custom_id is not None else f"l:{line}"
 
 
-def job_id_stem(batch_id: str, line_key: str) -> str:
-    """`B-<digest>-`: what every job id of this line key starts with."""
-    digest = hashlib.sha256(line_key.encode()).hexdigest()[:JOB_DIGEST_CHARS]
-    return f"{batch_id}-{digest}-"
+def is_line_key(value: object) -> bool:
+    """Whether a value has a line key's shape (`c:<custom_id>` or `l:<line>`)."""
+    return isinstance(value, str) and _LINE_KEY.fullmatch(value) is not None
 
 
-def job_id(batch_id: str, line_key: str, line: int) -> str:
-    """The RQ job id of a line: `B-<digest of the line key>-<line>`, with the line number
-    of the file that enqueued it. The digest ties a job to its custom_id (RQ ids allow
-    only [A-Za-z0-9_-]), so a re-submitted file whose lines moved never hands one line's
-    job to another; the line number ends the id, for error lines written from it."""
-    return f"{job_id_stem(batch_id, line_key)}{line}"
+_LINE_KEY = re.compile(r"c:.{1,64}|l:[0-9]{1,12}", re.DOTALL)
+
+
+def job_id(batch_id: str, number: int) -> str:
+    """The RQ job id of a batch's job number `number`: `B-j<number>`. Numbers come from
+    the batch hash's `jobs` counter, so a re-submitted or retried line always gets a new
+    job, and a line's request record names the job that carries it."""
+    return f"{batch_id}-j{number}"
 
 
 def is_job_of(batch_id: str, job_id: str) -> bool:
-    """Whether an RQ job id is one of this batch's line jobs (`job_id`'s shape)."""
+    """Whether an RQ job id is one of this batch's jobs (`job_id`'s shape)."""
     prefix = f"{batch_id}-"
     return job_id.startswith(prefix) and _JOB_TAIL.fullmatch(job_id, len(prefix)) is not None
 
 
-_JOB_TAIL = re.compile(rf"[0-9a-f]{{{JOB_DIGEST_CHARS}}}-[0-9]+")
+_JOB_TAIL = re.compile(r"j[0-9]+")
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+import zlib
+from typing import TYPE_CHECKING
 
-from jobstore.jobfile import JobLine
+if TYPE_CHECKING:  # only its fields are read: status and collect need not load pydantic
+    from jobstore.jobfile import JobLine
 
 #: Error codes of FORMATS.md.
 ERROR_CODES = (
@@ -112,4 +115,63 @@ def error_line(batch_id: str, line: int, custom_id: str | None, code: str, messa
 
 def dumps(line: dict) -> str:
     """One JSONL line (no newline): compact, UTF-8 kept as is."""
-    return json.dumps(line, ensure_ascii=False, separators=(",", ":"))
+    return _ENCODER.encode(line)
+
+
+# One encoder for every line: json.dumps with options builds a new one per call.
+_ENCODER = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
+# --- stored form ---------------------------------------------------------------------
+
+#: First byte of a line stored compressed (a JSON line starts with "{"; anything else
+#: stored is read as plain JSON, as written before compression).
+PACKED_V1 = b"\x01"
+
+#: What result and error lines have in common, so deflate can refer to it instead of
+#: storing it again: a line of a few hundred bytes keeps about a third of its size. The
+#: strings used most sit at the end (the shortest distances). Never change these bytes:
+#: stored lines need them to be read back; a new dictionary needs a new first byte.
+_ZDICT_V1 = (
+    b'"response":null,"error":{"code":"invalid_request","message":"context_length_exceeded'
+    b'model_not_served timeout worker_lost cancelled internal_error (3 attempts)","line":'
+    b'{"index":0,"message":{"role":"assistant","content":""},"logprobs":null,"finish_reason'
+    b'":"stop"}],"object":"chat.completion","id":"chatcmpl-"mean_acceptance_length":1.0,'
+    b'"draft_acceptance_rate":0.0,"per_position_acceptance":[],"draft_tokens_per_position":[]'
+    b'{"id":"batch_2026","custom_id":"","response":{"status_code":200,"request_id":"batch_'
+    b'"body":{"id":"cmpl-batch_","object":"text_completion","created":17,"model":"demo",'
+    b'"choices":[{"index":0,"text":"","logprobs":null,"finish_reason":"length"}],"usage":'
+    b'{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2},"metrics":'
+    b'{"time_to_first_token_ms":1.0,"generation_time_ms":1.0,"tokens_per_second":1.0,'
+    b'"speculative_decoding":{"drafter":"model","num_spec_steps":1,"num_draft_tokens":0,'
+    b'"num_accepted_draft_tokens":0,"draft_acceptance_rate":0.0,"mean_acceptance_length":1.0,'
+    b'"acceptance_histogram":[1],"per_position_acceptance":[],"draft_tokens_per_position":[]},'
+    b'"worker":{"name":"","host":""}},"seed":null}},"error":null}'
+)
+
+
+def pack(line_json: str) -> bytes:
+    """A line as stored in Redis: deflate against a dictionary of what lines share.
+    `unpack` reads it back; `spec-collect` writes the very same JSON line."""
+    # A 4 KiB window covers the dictionary; a larger one only costs set-up time.
+    deflate = zlib.compressobj(6, zlib.DEFLATED, -12, 8, zlib.Z_DEFAULT_STRATEGY, _ZDICT_V1)
+    return PACKED_V1 + deflate.compress(line_json.encode("utf-8")) + deflate.flush()
+
+
+def unpack(raw: bytes | str, limit: int) -> str:
+    """The JSON line of a stored value (packed, or plain JSON as written before), at
+    most `limit` bytes. Raises ValueError saying what is wrong with damaged bytes."""
+    if isinstance(raw, str):
+        return raw
+    if raw[:1] != PACKED_V1:
+        return raw.decode("utf-8")  # UnicodeDecodeError is a ValueError
+    inflate = zlib.decompressobj(-15, zdict=_ZDICT_V1)
+    try:
+        data = inflate.decompress(raw[1:], limit + 1)
+    except zlib.error as exc:
+        raise ValueError(f"not a valid compressed line ({exc})") from exc
+    if len(data) > limit or inflate.unconsumed_tail:
+        raise ValueError(f"longer than {limit} bytes once decompressed")
+    if not inflate.eof:
+        raise ValueError("a compressed line cut short")
+    return data.decode("utf-8")

@@ -2,10 +2,17 @@
 
 Every line is written through `store_line`: the line and its counters go in
 together, once per (batch, line key), even if a job runs twice. Counters are plain
-integers (HINCRBY), so batch, worker and fleet totals are exact sums. Each write
-renews the batch's TTL on every key of the batch (the batch's own `result_ttl`,
-set by `spec-submit --result-ttl`, else the writer's SPEC_RESULT_TTL_S), and a line
-over SPEC_MAX_RESULT_BYTES is replaced by an error line saying so.
+integers in hash fields, so batch, worker and fleet totals are exact sums; the script
+reads every field a line adds to with one HMGET and writes them back with one HSET
+(a line's ~30 statistics counters cost two commands, not one HINCRBY each). Lines are
+stored packed (jobstore.lines.pack), and a line with a result drops its request
+record (an error line keeps it, for spec-retry). Each write renews the batch's TTL on
+every key of the batch (the batch's own `result_ttl`, set by `spec-submit
+--result-ttl`, else the writer's SPEC_RESULT_TTL_S), and a line over
+SPEC_MAX_RESULT_BYTES is replaced by an error line saying so.
+
+Scripts run by SHA (EVALSHA; loaded on first use, and again after a Redis restart):
+Redis then neither receives nor hashes their text on every call.
 """
 
 from __future__ import annotations
@@ -13,75 +20,141 @@ from __future__ import annotations
 import json
 import logging
 import time
+from typing import NamedTuple
 
 from redis import Redis
+from redis.commands.core import Script
 
 from jobstore import config
-from jobstore.keys import JOB_DIGEST_CHARS, Keys, job_id_stem
-from jobstore.lines import dumps, error_line
+from jobstore.keys import Keys
+from jobstore.lines import dumps, error_line, pack
 from jobstore.stats import drafter_of, summary
 
 log = logging.getLogger("specfleet.store")
 
-_STORE = """
+
+class _Lua:
+    """A Lua script run by SHA on whichever client (or pipeline) is given."""
+
+    def __init__(self, text: str):
+        self._script = Script(None, text.encode())
+
+    def __call__(self, conn, keys: list, args: list):
+        return self._script(keys=keys, args=args, client=conn)
+
+
+_STORE = _Lua(
+    """
 -- KEYS: 1 meta, 2 results, 3 errors, 4 done, 5 batch workers, 6 worker stats,
 --       7 order, 8 requests, 9 submitting flag
--- ARGV: 1 line key, 2 'result'|'error', 3 line JSON, 4 now, 5 worker ('' = none),
---       6 ttl seconds when the batch sets none (0 = none), 7.. counter name / increment pairs
-if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 1 or redis.call('HEXISTS', KEYS[3], ARGV[1]) == 1 then
-  return 0
+-- ARGV: 1 now, 2 worker ('' = none), 3 ttl seconds when the batch sets none (0 = none),
+--       then per line: line key, 'result'|'error', stored line, n, n counter name /
+--       increment pairs
+-- Returns {1 if the batch is cancelled else 0, then per line 1 if this call stored it}.
+local now, worker = ARGV[1], ARGV[2]
+local names, sums, at = {'completed', 'failed'}, {0, 0}, {completed = 1, failed = 2}
+local function bump(name, n)
+  if at[name] == nil then
+    names[#names + 1] = name
+    sums[#sums + 1] = 0
+    at[name] = #names
+  end
+  sums[at[name]] = sums[at[name]] + n
 end
-local outcome, target = 'failed', KEYS[3]
-if ARGV[2] == 'result' then outcome, target = 'completed', KEYS[2] end
-redis.call('HSET', target, ARGV[1], ARGV[3])
-redis.call('RPUSH', KEYS[4], ARGV[1])
-redis.call('HINCRBY', KEYS[1], outcome, 1)
-redis.call('HSET', KEYS[1], 'last_done_at', ARGV[4])
-local worker = ARGV[5]
-if worker ~= '' then
-  redis.call('HINCRBY', KEYS[5], outcome .. ':' .. worker, 1)
-  redis.call('HINCRBY', KEYS[6], outcome, 1)
+local out, written, answered = {0}, {}, {}
+local i = 4
+while i <= #ARGV do
+  local key, ok, n = ARGV[i], ARGV[i + 1] == 'result', tonumber(ARGV[i + 3])
+  local target, other = KEYS[3], KEYS[2]
+  if ok then target, other = KEYS[2], KEYS[3] end
+  local stored = 0
+  if redis.call('HEXISTS', other, key) == 0 and redis.call('HSETNX', target, key, ARGV[i + 2]) == 1 then
+    stored = 1
+    written[#written + 1] = key
+    if ok then answered[#answered + 1] = key end
+    bump(ok and 'completed' or 'failed', 1)
+    for j = i + 4, i + 3 + 2 * n, 2 do bump(ARGV[j], tonumber(ARGV[j + 1])) end
+  end
+  out[#out + 1] = stored
+  i = i + 4 + 2 * n
 end
-for i = 7, #ARGV, 2 do
-  local name, n = ARGV[i], tonumber(ARGV[i + 1])
-  redis.call('HINCRBY', KEYS[1], name, n)
-  if worker ~= '' then
-    redis.call('HINCRBY', KEYS[6], name, n)
-    if name == 'completion_tokens' or name == 'prompt_tokens' or name == 'busy_ms' then
-      redis.call('HINCRBY', KEYS[5], name .. ':' .. worker, n)
+if #written == 0 then
+  out[1] = redis.call('HEXISTS', KEYS[1], 'cancelled')
+  return out
+end
+redis.call('RPUSH', KEYS[4], unpack(written))
+if #answered > 0 then redis.call('HDEL', KEYS[8], unpack(answered)) end  -- kept for errors
+
+local function int(hash, field, value)
+  local v = tonumber(value or '0')
+  if v == nil or v ~= math.floor(v) then
+    error({err = 'key ' .. hash .. ' field ' .. field .. ': expected an integer, got ' .. value})
+  end
+  return v
+end
+-- Read every field the lines add to (and `reads`), add, write back those that changed:
+-- one HMGET, one HSET. Returns the new values and the values of `reads`.
+local function add(hash, fields, increments, extra, reads)
+  local all = {unpack(fields)}
+  for _, f in ipairs(reads or {}) do all[#all + 1] = f end
+  local found = redis.call('HMGET', hash, unpack(all))
+  local set, new = extra or {}, {}
+  for k = 1, #fields do
+    new[k] = int(hash, fields[k], found[k]) + increments[k]
+    if increments[k] ~= 0 then
+      set[#set + 1] = fields[k]
+      set[#set + 1] = new[k]
     end
   end
+  redis.call('HSET', hash, unpack(set))
+  return new, {unpack(found, #fields + 1, #all)}
 end
-local done = tonumber(redis.call('HGET', KEYS[1], 'completed') or '0')
-  + tonumber(redis.call('HGET', KEYS[1], 'failed') or '0')
-if done >= redis.call('ZCARD', KEYS[7]) and redis.call('EXISTS', KEYS[9]) == 0 then
-  redis.call('HSETNX', KEYS[1], 'completed_at', ARGV[4])
-end
-if worker ~= '' then redis.call('EXPIRE', KEYS[6], 604800) end  -- worker stats: a week idle
-local ttl = tonumber(redis.call('HGET', KEYS[1], 'result_ttl') or ARGV[6])
-if ttl > 0 then
-  for _, i in ipairs({1, 2, 3, 4, 5, 7, 8}) do redis.call('EXPIRE', KEYS[i], ttl) end
-end
-return 1
-"""
 
-_CLASSIFY = """
+local new, meta = add(KEYS[1], names, sums, {'last_done_at', now}, {'result_ttl', 'cancelled'})
+if worker ~= '' then
+  local mine, step = {}, {}
+  for k, name in ipairs(names) do
+    if k <= 2 or name == 'completion_tokens' or name == 'prompt_tokens' or name == 'busy_ms' then
+      mine[#mine + 1] = name .. ':' .. worker
+      step[#step + 1] = sums[k]
+    end
+  end
+  add(KEYS[5], mine, step)
+  add(KEYS[6], names, sums)  -- its TTL is renewed by the worker's heartbeat
+end
+if new[1] + new[2] >= redis.call('ZCARD', KEYS[7]) and redis.call('EXISTS', KEYS[9]) == 0 then
+  redis.call('HSETNX', KEYS[1], 'completed_at', now)
+end
+local ttl = tonumber(meta[1] or ARGV[3])
+if ttl > 0 then
+  for _, k in ipairs({1, 2, 3, 4, 5, 7, 8}) do redis.call('EXPIRE', KEYS[k], ttl) end
+end
+out[1] = meta[2] and 1 or 0
+return out
+"""
+)
+
+_CLASSIFY = _Lua(
+    """#!lua flags=no-writes
 -- KEYS: 1 results, 2 errors, 3 requests
--- ARGV: pairs (line key, 'rq:job:' .. its job id stem, to which the request's line is added)
--- -> per key: 'done' (has a result), 'error' (has an error line), 'pending' (its job
---    is queued or running) or 'new'
+-- ARGV: 1 'rq:job:<batch>-j' (a job number completes it), 2.. line keys
+-- -> per key: 'done' (has a result), 'error' (has an error line), 'pending' (the job
+--    its request record names is queued or running) or 'new'
 local out = {}
-for i = 1, #ARGV, 2 do
+for i = 2, #ARGV do
   local k, s = ARGV[i], 'new'
   if redis.call('HEXISTS', KEYS[1], k) == 1 then s = 'done'
   elseif redis.call('HEXISTS', KEYS[2], k) == 1 then s = 'error'
   else
     local rec = redis.call('HGET', KEYS[3], k)
     if rec then
-      local line = string.format('%d', cjson.decode(rec)['line'])
-      local st = redis.call('HGET', ARGV[i + 1] .. line, 'status')
-      if st == 'queued' or st == 'started' or st == 'deferred' or st == 'scheduled' then
-        s = 'pending'
+      local fine, decoded = pcall(cjson.decode, rec)
+      local job = fine and type(decoded) == 'table' and tonumber(decoded['job'])
+      if job then
+        local st = redis.call('HGET', ARGV[1] .. string.format('%d', job), 'status')
+        if st == 'queued' or st == 'started' or st == 'deferred' or st == 'scheduled' then
+          s = 'pending'
+        end
       end
     end
   end
@@ -89,6 +162,7 @@ for i = 1, #ARGV, 2 do
 end
 return out
 """
+)
 
 _REBUILD_LIST = """
 local function rebuild(key, keep)
@@ -99,7 +173,7 @@ local function rebuild(key, keep)
 end
 """
 
-_CLEAR_ERRORS = (
+_CLEAR_ERRORS = _Lua(
     _REBUILD_LIST
     + """
 -- KEYS: 1 meta, 2 errors, 3 done; ARGV: line keys whose error lines are dropped
@@ -120,15 +194,14 @@ return n
 """
 )
 
-_REMOVE_QUEUED = (
+_REMOVE_QUEUED = _Lua(
     _REBUILD_LIST
     + """
--- KEYS: 1 an RQ queue list; ARGV: 1 job id prefix ('<batch>-'), 2 digest length
--- Removes the batch's job ids (prefix, hex digest, '-', digits) and returns them.
+-- KEYS: 1 an RQ queue list; ARGV: 1 job id prefix ('<batch>-')
+-- Removes the batch's job ids (prefix, 'j', digits) and returns them.
 local p, removed, keep = ARGV[1], {}, {}
-local tail = '^' .. string.rep('%x', tonumber(ARGV[2])) .. '%-%d+$'
 for _, id in ipairs(redis.call('LRANGE', KEYS[1], 0, -1)) do
-  if string.sub(id, 1, #p) == p and string.match(string.sub(id, #p + 1), tail) then
+  if string.sub(id, 1, #p) == p and string.match(string.sub(id, #p + 1), '^j%d+$') then
     removed[#removed + 1] = id
   else
     keep[#keep + 1] = id
@@ -138,6 +211,31 @@ if #removed > 0 then rebuild(KEYS[1], keep) end
 return removed
 """
 )
+
+
+_COUNT_UNANSWERED = _Lua(
+    """#!lua flags=no-writes
+-- (no-writes: Redis runs it while over its maxmemory too)
+-- KEYS: 1 requests, 2 errors; ARGV: line keys
+-- -> how many still have a request record (no result) and no error line
+local n = 0
+for i = 1, #ARGV do
+  if redis.call('HEXISTS', KEYS[1], ARGV[i]) == 1 and redis.call('HEXISTS', KEYS[2], ARGV[i]) == 0 then
+    n = n + 1
+  end
+end
+return n
+"""
+)
+
+
+class LineToStore(NamedTuple):
+    """One line for `put_lines`: its key, its JSON, result (ok) or error, its counters."""
+
+    key: str
+    line_json: str
+    ok: bool
+    counters: dict[str, int] | None = None
 
 
 def store_line(
@@ -153,23 +251,42 @@ def store_line(
     ttl_s: int = 0,
 ) -> bool:
     """Write a result (ok) or error line and add its counters, atomically and only if
-    the line key has no line yet. Returns True when this call wrote it.
+    the line key has no line yet. Returns True when this call wrote it (on a pipeline:
+    the pipeline; its result comes with the pipeline's).
 
     A line longer than SPEC_MAX_RESULT_BYTES is not stored: an `invalid_request`
     error line saying how long it was and what the limit is takes its place, without
     counters, and a warning is logged. `ttl_s` applies when the batch has no
     `result_ttl` of its own.
     """
+    line = LineToStore(line_key, line_json, ok, counters)
+    done = put_lines(conn, keys, batch_id, [line], worker=worker, ttl_s=ttl_s)
+    return done[0][0] if isinstance(done, tuple) else done
+
+
+def put_lines(
+    conn: Redis,
+    keys: Keys,
+    batch_id: str,
+    lines: list[LineToStore],
+    *,
+    worker: str | None = None,
+    ttl_s: int = 0,
+) -> tuple[list[bool], bool]:
+    """`store_line` for several lines of one batch in one call (each still once per line
+    key; the counters of the lines this call wrote are summed first, so the batch's,
+    the worker's and its per-batch counters are one HMGET and one HSET each, whatever
+    the number of lines). Returns (per line: whether this call wrote it, whether the
+    batch is cancelled); on a pipeline, the pipeline."""
     limit = config.max_result_bytes()
-    size = len(line_json.encode("utf-8"))
-    if size > limit:
-        line_json = _oversized(conn, keys, batch_id, line_key, line_json, size, limit)
-        ok, counters = False, None
-    args: list = [line_key, "result" if ok else "error", line_json, f"{time.time():.3f}"]
-    args += [worker or "", int(ttl_s)]
-    for name, n in (counters or {}).items():
-        if n:
-            args += [name, int(n)]
+    args: list = [f"{time.time():.3f}", worker or "", int(ttl_s)]
+    for key, line_json, ok, counters in lines:
+        size = len(line_json.encode("utf-8"))
+        if size > limit:
+            line_json = _oversized(conn, keys, batch_id, key, line_json, size, limit)
+            ok, counters = False, None
+        pairs = [x for name, n in (counters or {}).items() if n for x in (name, int(n))]
+        args += [key, "result" if ok else "error", pack(line_json), len(pairs) // 2, *pairs]
     script_keys = [
         keys.batch(batch_id),
         keys.results(batch_id),
@@ -181,7 +298,10 @@ def store_line(
         keys.requests(batch_id),
         keys.submitting(batch_id),
     ]
-    return bool(conn.eval(_STORE, len(script_keys), *script_keys, *args))
+    out = _STORE(conn, script_keys, args)
+    if isinstance(out, list):
+        return [bool(x) for x in out[1:]], bool(out[0])
+    return out  # a pipeline: the result comes with its execute()
 
 
 def _oversized(
@@ -209,9 +329,15 @@ def classify(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> li
     if not line_keys:
         return []
     script_keys = [keys.results(batch_id), keys.errors(batch_id), keys.requests(batch_id)]
-    args = [a for k in line_keys for a in (k, keys.rq_job(job_id_stem(batch_id, k)))]
-    out = conn.eval(_CLASSIFY, 3, *script_keys, *args)
+    job_prefix = keys.rq_job(f"{batch_id}-j")
+    out = _CLASSIFY(conn, script_keys, [job_prefix, *line_keys])
     return [s.decode() if isinstance(s, bytes) else s for s in out]
+
+
+def count_unanswered(conn, keys: Keys, batch_id: str, line_keys: list[str]):
+    """How many of these lines have neither a result nor an error line (on a pipeline:
+    the count comes with its execute())."""
+    return _COUNT_UNANSWERED(conn, [keys.requests(batch_id), keys.errors(batch_id)], line_keys)
 
 
 def clear_errors(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> int:
@@ -219,7 +345,7 @@ def clear_errors(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -
     if not line_keys:
         return 0
     script_keys = [keys.batch(batch_id), keys.errors(batch_id), keys.done(batch_id)]
-    return int(conn.eval(_CLEAR_ERRORS, 3, *script_keys, *line_keys))
+    return int(_CLEAR_ERRORS(conn, script_keys, line_keys))
 
 
 def wrong_key_type(conn: Redis, keys: Keys, batch_id: str) -> str | None:
@@ -238,7 +364,7 @@ def wrong_key_type(conn: Redis, keys: Keys, batch_id: str) -> str | None:
 
 def remove_queued(conn: Redis, queue_key: str, batch_id: str) -> list[str]:
     """Take the batch's waiting jobs out of one RQ queue; returns their job ids."""
-    out = conn.eval(_REMOVE_QUEUED, 1, queue_key, f"{batch_id}-", JOB_DIGEST_CHARS)
+    out = _REMOVE_QUEUED(conn, [queue_key], [f"{batch_id}-"])
     return [s.decode() if isinstance(s, bytes) else s for s in out]
 
 

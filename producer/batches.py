@@ -16,6 +16,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Literal
 
 import redis
@@ -27,11 +28,19 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from jobstore import config, store
-from jobstore.jobfile import JobLine
-from jobstore.keys import AUDIT_CHECKED, AUDIT_MISMATCHES, Keys, is_job_of, job_id
+from jobstore.keys import (
+    AUDIT_CHECKED,
+    AUDIT_MISMATCHES,
+    JOBS_FIELD,
+    Keys,
+    is_job_of,
+    is_line_key,
+    job_id,
+)
 from jobstore.limits import TERMINAL_STATUSES
-from jobstore.lines import dumps, error_line
-from producer.submit import _job_data
+from jobstore.lines import dumps, error_line, unpack
+from producer.spool import Queued
+from producer.submit import QueuePlan, queue_lines
 
 TERMINAL = TERMINAL_STATUSES
 
@@ -92,6 +101,7 @@ def check_key_types(conn: Redis, keys: Keys, batch_id: str) -> None:
 _INT_FIELDS = (
     "completed",
     "failed",
+    JOBS_FIELD,
     "prompt_tokens",
     "completion_tokens",
     "busy_ms",
@@ -145,17 +155,69 @@ def models_of(meta: dict[str, str]) -> list[str]:
     return sorted(k.split(":", 1)[1] for k in meta if k.startswith("model:"))
 
 
-def running_jobs(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> list[str]:
-    """Job ids of this batch that a worker has started and not finished."""
-    out = []
+@dataclass(frozen=True)
+class RunningJob:
+    """A job of the batch that a worker has started and not finished."""
+
+    job_id: str
+    worker: str | None
+    lines: int  # its lines with neither a result nor an error line yet
+
+
+def running_jobs(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> list[RunningJob]:
+    """The batch's jobs that a worker has started and not finished, with how many of
+    their lines are still to answer (a job of many lines answers them one by one)."""
+    ids = []
     for alias in models:
         registry = StartedJobRegistry(keys.queue_name(alias), connection=conn)
         try:
-            ids = registry.get_job_ids(cleanup=False)
+            found = registry.get_job_ids(cleanup=False)
         except redis.exceptions.ResponseError as exc:  # WRONGTYPE: not RQ's zset any more
             raise CorruptBatch(f"key {registry.key}: {_first_line(exc)}") from exc
-        out += [j for j in ids if is_job_of(batch_id, j)]
-    return out
+        ids += [j for j in found if is_job_of(batch_id, j)]
+    if not ids:
+        return []
+    jobs = _fetch_jobs(conn, ids)
+    running = []
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id_, job in zip(ids, jobs, strict=True):
+            line_keys = _job_lines(job)
+            if line_keys:
+                store.count_unanswered(pipe, keys, batch_id, line_keys)
+                running.append((job_id_, job.worker_name or None))
+        counts = pipe.execute()
+    return [RunningJob(j, w, int(n)) for (j, w), n in zip(running, counts, strict=True) if n]
+
+
+def _fetch_jobs(conn: Redis, ids: list[str]) -> list[Job | None]:
+    """RQ's jobs by id (None where gone), in one round trip without MULTI: Job.fetch_many
+    wraps its reads in a transaction, which Redis refuses while it is over maxmemory,
+    and spec-status must work then too."""
+    with conn.pipeline(transaction=False) as pipe:
+        for job_id_ in ids:
+            pipe.hgetall(Job.key_for(job_id_))
+        found = pipe.execute()
+    jobs: list[Job | None] = []
+    for job_id_, raw in zip(ids, found, strict=True):
+        job = None
+        if raw:
+            job = Job(job_id_, connection=conn, serializer=JSONSerializer)
+            job.restore(raw)
+        jobs.append(job)
+    return jobs
+
+
+def _job_lines(job: Job | None) -> list[str]:
+    """The line keys a job of this project carries ([] for anything else)."""
+    if job is None:
+        return []
+    try:
+        args = job.args
+    except Exception:  # not a JSON payload: not ours
+        return []
+    if isinstance(args, list | tuple) and len(args) == 2 and isinstance(args[1], list):
+        return [k for k in args[1] if is_line_key(k)]
+    return []
 
 
 @_redis_refusals
@@ -166,8 +228,10 @@ def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
     now = time.time()
     total = conn.zcard(keys.order(batch_id))
     completed, failed = int(meta.get("completed", 0)), int(meta.get("failed", 0))
-    running = len(running_jobs(conn, keys, batch_id, models_of(meta)))
+    jobs = running_jobs(conn, keys, batch_id, models_of(meta))
+    running = sum(j.lines for j in jobs)
     done = completed + failed
+    running = min(running, max(0, total - done))
     queued = max(0, total - done - running)
     finished = total > 0 and done >= total and not conn.exists(keys.submitting(batch_id))
     if meta.get("cancelled"):
@@ -209,7 +273,7 @@ def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
         "speculative_decoding": store.spec_summary(meta),
         "throughput_tokens_per_second": round(throughput, 2),
         "eta_seconds": eta,
-        "workers": _workers(conn, keys, batch_id),
+        "workers": _workers(conn, keys, batch_id, jobs, now, watch=not finished),
         "audit": audit_summary(meta),
     }
 
@@ -223,7 +287,13 @@ def audit_summary(meta: dict[str, str]) -> dict[str, int]:
     }
 
 
-def _workers(conn: Redis, keys: Keys, batch_id: str) -> list[dict]:
+def _workers(
+    conn: Redis, keys: Keys, batch_id: str, jobs: list[RunningJob], now: float, watch: bool
+) -> list[dict]:
+    """Per worker of the batch (it stored lines, or holds running ones): its counters,
+    running lines, when it was last heard from, and whether it has gone quiet: not
+    heard from for longer than the heartbeat TTL (SPEC_HEARTBEAT_TTL_S) without having
+    stopped cleanly, while it holds running lines or the batch is unfinished (`watch`)."""
     key = keys.batch_workers(batch_id)
     by_name: dict[str, dict[str, int]] = {}
     for raw_field, value in conn.hgetall(key).items():
@@ -232,23 +302,51 @@ def _workers(conn: Redis, keys: Keys, batch_id: str) -> list[dict]:
         if not sep:
             raise CorruptBatch(f"key {key} field {field}: expected <counter>:<worker>")
         by_name.setdefault(name, {})[counter] = _integer(key, field, _text(value))
+    holding: dict[str, int] = {}
+    for job in jobs:
+        if job.worker:
+            holding[job.worker] = holding.get(job.worker, 0) + job.lines
+            by_name.setdefault(job.worker, {})
+    names = sorted(by_name)
+    with conn.pipeline(transaction=False) as pipe:
+        for name in names:
+            pipe.hmget(keys.worker(name), "model", "last_seen", "started_at", "stopped_at")
+        facts = pipe.execute()
+    ttl = config.heartbeat_ttl_s()
     out = []
-    for name in sorted(by_name):
+    for name, (model, seen, since, stopped) in zip(names, facts, strict=True):
         c = by_name[name]
         busy = c.get("busy_ms", 0) / 1000
-        model = conn.hget(keys.worker(name), "model")
+        last_seen = _seen(keys.worker(name), seen or since)
+        running = holding.get(name, 0)
+        quiet = (
+            last_seen is not None
+            and stopped is None
+            and (running > 0 or watch)
+            and now - last_seen > ttl
+        )
         out.append(
             {
                 "name": name,
                 "model": _text(model) if model else None,
                 "completed": c.get("completed", 0),
                 "failed": c.get("failed", 0),
+                "running": running,
                 "tokens_per_second": round(c.get("completion_tokens", 0) / busy, 2)
                 if busy
                 else 0.0,
+                "last_seen": round(last_seen, 3) if last_seen is not None else None,
+                "stopped": stopped is not None,
+                "quiet": quiet,
             }
         )
     return out
+
+
+def _seen(key: str, value) -> float | None:
+    if value is None:
+        return None
+    return _timestamp(key, "last_seen", _text(value))
 
 
 def _line_keys(conn: Redis, keys: Keys, batch_id: str, order: str) -> Iterator[list[str]]:
@@ -308,7 +406,7 @@ def collect(
                 if raw is None:
                     counts["pending"] += 1
                     continue
-                problem = _not_a_line(raw)
+                raw, problem = _stored_line(raw)
                 if problem:
                     where = f"key {hash_key} field {line_key}: {problem}"
                     first_corrupt = first_corrupt or where
@@ -334,7 +432,7 @@ def collect(
                 f"batch {batch_id}: {counts['pending']} line(s) have no result or error line "
                 "yet: the files were written, the batch was not deleted"
             )
-        _delete(conn, keys, batch_id, models_of(meta))
+        _delete(conn, keys, batch_id, models_of(meta), int(meta.get(JOBS_FIELD, 0)))
     return counts
 
 
@@ -352,15 +450,21 @@ def _check_final(conn: Redis, keys: Keys, batch_id: str) -> None:
         raise BatchError(f"batch {batch_id} is {what}{detail}: collect without --delete, or wait")
 
 
-def _not_a_line(raw: bytes) -> str | None:
-    """Why a stored line cannot be written as a JSONL line (None when it can)."""
+def _stored_line(raw: bytes) -> tuple[str, str | None]:
+    """(the JSON line, None), or (anything, why the stored value cannot be written as a
+    JSONL line): damaged compressed data, text that is not JSON, JSON that is not an
+    object."""
     try:
-        value = json.loads(raw)
-    except (ValueError, RecursionError) as exc:  # ValueError: not JSON, or not UTF-8
-        return f"not valid JSON ({type(exc).__name__}: {exc})"
+        text = unpack(raw, config.MAX_STORED_LINE_BYTES)
+    except ValueError as exc:  # damaged compressed data, or not UTF-8
+        return "", f"not a valid stored line ({exc})"
+    try:
+        value = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        return text, f"not valid JSON ({type(exc).__name__}: {exc})"
     if not isinstance(value, dict):
-        return f"not a JSON object (a {type(value).__name__})"
-    return None
+        return text, f"not a JSON object (a {type(value).__name__})"
+    return text, None
 
 
 def _corrupt_line(conn: Redis, keys: Keys, batch_id: str, line_key: str, where: str) -> str:
@@ -499,20 +603,20 @@ def _umask() -> int:
     return mask
 
 
-def _delete(conn: Redis, keys: Keys, batch_id: str, models: list[str]) -> None:
-    for chunk in _line_keys(conn, keys, batch_id, "input"):
-        records = conn.hmget(keys.requests(batch_id), chunk)
+def _delete(conn: Redis, keys: Keys, batch_id: str, models: list[str], jobs: int) -> None:
+    """Remove every key of the batch and its RQ jobs (numbers 1..jobs). UNLINK: Redis
+    frees a big hash in the background instead of stalling every client."""
+    step = config.CHUNK_LINES
+    for first in range(1, jobs + 1, step):
         with conn.pipeline(transaction=False) as pipe:
-            for key, record in zip(chunk, records, strict=True):
-                if record is None:  # rejected at submit time: it never had a job
-                    continue
-                job = job_id(batch_id, key, int(json.loads(record)["line"]))
-                pipe.delete(keys.rq_job(job))
+            for number in range(first, min(first + step, jobs + 1)):
+                job = job_id(batch_id, number)
+                pipe.unlink(keys.rq_job(job))
                 for alias in models:
                     pipe.zrem(keys.rq_failed(alias), job)
             pipe.execute()
     with conn.pipeline() as pipe:
-        pipe.delete(*keys.batch_keys(batch_id))
+        pipe.unlink(*keys.batch_keys(batch_id))
         pipe.zrem(keys.batches, batch_id)
         pipe.execute()
 
@@ -532,31 +636,29 @@ def retry(conn: Redis, keys: Keys, batch_id: str) -> int:
                 _request(keys.requests(batch_id), key, record)  # damage found before any change
                 retryable.append(key)
     conn.hdel(keys.batch(batch_id), "cancelled")
-    queues: dict[str, Queue] = {}
-    for i in range(0, len(retryable), config.CHUNK_LINES):
-        chunk = retryable[i : i + config.CHUNK_LINES]
+    from jobstore.jobfile import JobLine  # pydantic: not for status or collect
+
+    plan = QueuePlan(conn, keys, batch_id, {}, ttl, config.job_lines(len(retryable)))
+    step = plan.per_job * max(1, config.CHUNK_LINES // plan.per_job)
+    for i in range(0, len(retryable), step):
+        chunk = retryable[i : i + step]
         records = conn.hmget(keys.requests(batch_id), chunk)
+        runs: dict[str, list[Queued]] = {}
+        for record in records:
+            entry = Queued.of(JobLine.from_record(json.loads(record)), config.DEFAULT_MODEL)
+            runs.setdefault(entry.model, []).append(entry)
         store.clear_errors(conn, keys, batch_id, chunk)
-        jobs: dict[str, list] = {}
-        with conn.pipeline(transaction=False) as pipe:
-            for key, record in zip(chunk, records, strict=True):
-                job = JobLine.from_record(json.loads(record))
-                old = job_id(batch_id, key, job.line)
-                pipe.delete(keys.rq_job(old))
-                pipe.zrem(keys.rq_failed(job.model), old)
-                jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
-            for alias, datas in jobs.items():
-                queue = queues.setdefault(
-                    alias, Queue(keys.queue_name(alias), connection=conn, serializer=JSONSerializer)
-                )
-                queue.enqueue_many(datas, pipeline=pipe)
+        with conn.pipeline(transaction=True) as pipe:
+            queue_lines(plan, runs, pipe)
             pipe.execute()
     return len(retryable)
 
 
 @_redis_refusals
-def _request(hash_key: str, field: str, record: bytes) -> JobLine:
+def _request(hash_key: str, field: str, record: bytes):
     """A stored request record as a JobLine. Raises CorruptBatch naming key and field."""
+    from jobstore.jobfile import JobLine
+
     try:
         return JobLine.from_record(json.loads(record))
     except (ValueError, RecursionError, KeyError, TypeError, AttributeError) as exc:
@@ -567,31 +669,44 @@ def _request(hash_key: str, field: str, record: bytes) -> JobLine:
 
 @_redis_refusals
 def cancel(conn: Redis, keys: Keys, batch_id: str) -> int:
-    """Mark the batch cancelled and take its waiting jobs out of the queues; each gets a
-    `cancelled` error line. Jobs already running finish. Returns how many were removed."""
+    """Mark the batch cancelled and take its waiting jobs out of the queues; each of
+    their lines gets a `cancelled` error line. Lines already running finish; the lines
+    of a running job that have not started are cancelled by its worker. Returns how
+    many lines were cancelled here."""
     meta = _meta(conn, keys, batch_id)
     conn.hset(keys.batch(batch_id), "cancelled", f"{time.time():.3f}")
     removed = 0
     for alias in models_of(meta):
         queue = Queue(keys.queue_name(alias), connection=conn, serializer=JSONSerializer)
         for removed_id in store.remove_queued(conn, queue.key, batch_id):
-            line = int(removed_id.rsplit("-", 1)[1])
-            key = _key_of_job(conn, removed_id)
+            line_keys = _job_lines(_fetch(conn, removed_id))
             conn.delete(keys.rq_job(removed_id))
-            if key is None:
-                continue
-            custom_id = key[2:] if key.startswith("c:") else None
-            line_json = dumps(
-                error_line(batch_id, line, custom_id, "cancelled", "cancelled before it started")
-            )
-            removed += store.store_line(conn, keys, batch_id, key, line_json, ok=False)
+            records = conn.hmget(keys.requests(batch_id), line_keys) if line_keys else []
+            for key, record in zip(line_keys, records, strict=True):
+                if record is None:
+                    continue  # answered already
+                line = _line_number(conn, keys, batch_id, key, record)
+                custom_id = key[2:] if key.startswith("c:") else None
+                line_json = dumps(
+                    error_line(
+                        batch_id, line, custom_id, "cancelled", "cancelled before it started"
+                    )
+                )
+                removed += store.store_line(conn, keys, batch_id, key, line_json, ok=False)
     return removed
 
 
-def _key_of_job(conn: Redis, job: str) -> str | None:
-    """The line key a job of this project runs (its second argument), or None."""
+def _fetch(conn: Redis, job: str) -> Job | None:
     try:
-        args = Job.fetch(job, connection=conn, serializer=JSONSerializer).args
+        return Job.fetch(job, connection=conn, serializer=JSONSerializer)
     except (NoSuchJobError, ValueError, TypeError):
         return None
-    return args[1] if isinstance(args, list | tuple) and len(args) == 2 else None
+
+
+def _line_number(conn: Redis, keys: Keys, batch_id: str, key: str, record: bytes) -> int:
+    """The line number of the file that enqueued a line (from its request record), else
+    its number in the latest file."""
+    try:
+        return int(json.loads(record)["line"])
+    except (ValueError, KeyError, TypeError):
+        return int(conn.zscore(keys.order(batch_id), key) or 0)

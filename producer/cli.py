@@ -15,13 +15,13 @@ import click
 
 from jobstore import config
 from jobstore.connection import connect, warn_if_evicting
-from jobstore.jobfile import validate
 from jobstore.keys import Keys, check_batch_id, new_batch_id
 from jobstore.options import fail, friendly_errors, redis_option
 from producer import batches
 from producer.submit import SubmitError, enqueue_file
-from producer.tokencount import ContextChecker
-from reporting import progress
+
+# producer.spool (pydantic), producer.tokencount and reporting.progress (rich) are
+# imported by the commands that use them: spec-status starts in a fraction of a second.
 
 
 def _say(message: str) -> None:
@@ -81,29 +81,26 @@ def submit(
     batch_id = check_batch_id(batch_id) if batch_id else new_batch_id()
     conn = connect(redis_url)
     keys = Keys.default()
+    from producer.spool import spool_file
+    from producer.tokencount import ContextChecker
+
     checker = ContextChecker(conn, keys, model or config.DEFAULT_MODEL)
 
-    valid, invalid = validate(jobs_file, model, checker, lambda e: _say(e.format(jobs_file)))
-    if invalid and not skip_invalid:
-        fail(
-            "spec-submit",
-            f"{jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
-            "enqueued (fix them, or pass --skip-invalid to run the valid lines)",
+    with spool_file(
+        jobs_file, model, config.DEFAULT_MODEL, checker, lambda e: _say(e.format(jobs_file))
+    ) as spool:
+        valid, invalid = spool.valid, spool.invalid
+        if invalid and not skip_invalid:
+            fail(
+                "spec-submit",
+                f"{jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
+                "enqueued (fix them, or pass --skip-invalid to run the valid lines)",
+            )
+        if valid + invalid == 0:
+            fail("spec-submit", f"{jobs_file}: no requests (the file is empty)")
+        report = enqueue_file(
+            conn, keys, spool, jobs_file, batch_id, result_ttl, total_lines=spool.lines
         )
-    if valid + invalid == 0:
-        fail("spec-submit", f"{jobs_file}: no requests (the file is empty)")
-
-    report = enqueue_file(
-        conn,
-        keys,
-        jobs_file,
-        batch_id,
-        config.DEFAULT_MODEL,
-        model,
-        checker,
-        result_ttl,
-        total_lines=valid + invalid,
-    )
     click.echo(batch_id)
     parts = [f"{report.enqueued} enqueued"]
     if report.invalid:
@@ -141,6 +138,8 @@ def submit(
 def _watch(conn, keys, batch_id: str, stream, name: str, redis_url: str | None) -> dict:
     """Show the batch's progress on stream until it is finished; returns the last status.
     Ctrl-C stops watching (exit 130); the batch goes on."""
+    from reporting import progress
+
     shown = progress.Progress(file=stream)
     try:
         with shown:
@@ -193,6 +192,8 @@ def status(batch_id, redis_url, as_json, watch):
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return
+    from reporting.progress import worker_text
+
     c, sd = state["request_counts"], state["speculative_decoding"]
     eta = "-" if state["eta_seconds"] is None else f"{state['eta_seconds']:.0f} s"
     click.echo(f"batch {state['id']}: {state['status']}")
@@ -221,10 +222,7 @@ def status(batch_id, redis_url, as_json, watch):
             )
         )
     for w in state["workers"]:
-        click.echo(
-            f"  worker {w['name']} ({w['model']}): {w['completed']} completed, "
-            f"{w['tokens_per_second']:.1f} tok/s"
-        )
+        click.echo(f"  worker {w['name']} ({w['model']}): {worker_text(w)}")
 
 
 @click.command()
@@ -276,4 +274,5 @@ def cancel(batch_id, redis_url):
     keys = Keys.default()
     n = batches.cancel(conn, keys, batch_id)
     running = batches.status(conn, keys, batch_id)["request_counts"]["running"]
-    _say(f"batch {batch_id}: cancelled {n} waiting line(s); {running} running will finish")
+    note = " (a running job's lines not started yet are cancelled instead)" if running else ""
+    _say(f"batch {batch_id}: cancelled {n} waiting line(s); {running} running will finish{note}")

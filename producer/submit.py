@@ -1,14 +1,20 @@
 """Submitting a job file: validate every line, then enqueue in bulk, idempotently.
 
-Two passes over the file keep memory bounded whatever its size: the first validates
-every line and reports every problem; the second (only when the file is acceptable)
-re-reads it and enqueues CHUNK_LINES lines per Redis transaction (MULTI/EXEC), so a
-chunk is written whole or not at all: a Redis that fills up (maxmemory) mid-file
-leaves whole jobs only, and says how many lines went in. Re-submitting a batch id
-skips lines that already have a result or whose job is still queued or running, and
-runs again the lines that ended in an error line, so the same command run again
-completes the batch. Until a submission of the batch completes, its `submitting`
-flag stays set and the batch cannot look finished.
+Two passes keep memory bounded whatever the file's size: the first (producer.spool)
+validates every line, reports every problem and keeps each line's verdict in a
+temporary file; the second (here, only when the file is acceptable) reads the verdicts
+back and enqueues about CHUNK_LINES lines per Redis transaction (MULTI/EXEC), so a chunk
+is written whole or not at all: a Redis that fills up (maxmemory) mid-file leaves whole
+jobs only, and says how many lines went in. One RQ job carries
+`config.job_lines(total)` lines of one model alias (one per job for a small file, up to
+JOB_LINES_MAX for a large one): RQ's own bookkeeping, about 1 KB and 70 commands a job,
+is shared by its lines. Each request record names its job's number and its time limit.
+
+Re-submitting a batch id skips lines that already have a result or whose job is still
+queued or running, and runs again the lines that ended in an error line, so the same
+command run again completes the batch (a batch new to Redis skips that look). Until a
+submission of the batch completes, its `submitting` flag stays set and the batch cannot
+look finished.
 
 A batch may carry a TTL (`result_ttl` in its hash): every key of the batch gets it at
 submit time, and every line stored later renews it (jobstore.store), so a batch that
@@ -21,7 +27,7 @@ import json
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 from redis import Redis
@@ -30,9 +36,9 @@ from rq import Callback, Queue, Retry
 from rq.serializers import JSONSerializer
 
 from jobstore import config, store
-from jobstore.jobfile import JobLine, LineError, validate_file
-from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION, Keys, job_id, line_key
+from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION, JOBS_FIELD, Keys, job_id
 from jobstore.lines import dumps, error_line
+from producer.spool import Queued, Rejected
 
 #: While a file is being enqueued the batch is flagged for this long (refreshed per chunk).
 SUBMITTING_TTL_S = 600
@@ -86,20 +92,19 @@ class SubmitReport:
 def enqueue_file(
     conn: Redis,
     keys: Keys,
-    path: str,
+    lines: Iterable[Queued | Rejected],
+    source: str,
     batch_id: str,
-    default_model: str,
-    model_override: str | None,
-    check: Callable[[JobLine], LineError | None] | None,
     result_ttl: int | None = None,
     total_lines: int | None = None,
 ) -> SubmitReport:
-    """Second pass: enqueue the valid lines of a validated file and store the invalid
-    ones as `invalid_request` error lines.
+    """Second pass: enqueue the valid lines of a validated file (a producer.spool.Spool,
+    or any iterable of its entries) and store the rejected ones as `invalid_request`
+    error lines. `source`: the file's name, kept with the batch.
 
     result_ttl: seconds every key of the batch lives after its last write (0: until
     `spec-collect --delete`; None: as SPEC_RESULT_TTL_S says, else as before).
-    total_lines: the file's line count from the first pass, for messages.
+    total_lines: the file's line count from the first pass (it sets the lines per job).
     Raises RedisFull when Redis refuses a write for lack of memory (the chunks before
     are in, whole; the batch keeps its `submitting` flag until a re-submit completes).
     """
@@ -107,16 +112,7 @@ def enqueue_file(
     try:
         with SubmitLock(conn, keys.submit_lock(batch_id), batch_id) as lock:
             _enqueue_file(
-                conn,
-                keys,
-                path,
-                batch_id,
-                default_model,
-                model_override,
-                check,
-                result_ttl,
-                report,
-                lock,
+                conn, keys, lines, source, batch_id, result_ttl, report, lock, total_lines
             )
     except OutOfMemoryError as exc:
         raise RedisFull(batch_id, report.lines, total_lines) from exc
@@ -186,7 +182,7 @@ class SubmitLock:
 
 
 def _enqueue_file(
-    conn, keys, path, batch_id, default_model, model_override, check, result_ttl, report, lock
+    conn, keys, lines, source, batch_id, result_ttl, report, lock, total_lines
 ) -> None:
     meta = keys.batch(batch_id)
     created = time.time()
@@ -194,20 +190,23 @@ def _enqueue_file(
     if result_ttl is None and config.result_ttl_s() > 0:
         result_ttl = config.result_ttl_s()
     with conn.pipeline() as pipe:
+        pipe.exists(keys.requests(batch_id), keys.results(batch_id), keys.errors(batch_id))
         pipe.set(flag, 1, ex=SUBMITTING_TTL_S)
         pipe.hsetnx(meta, "created_at", f"{created:.3f}")
-        pipe.hset(meta, "source", path.rsplit("/", 1)[-1])
+        pipe.hset(meta, "source", source.rsplit("/", 1)[-1])
         if result_ttl is not None:
             pipe.hset(meta, "result_ttl", int(result_ttl))
         pipe.zadd(keys.batches, {batch_id: created}, nx=True)
-        pipe.execute()
+        earlier = pipe.execute()[0]
     ttl = int(conn.hget(meta, "result_ttl") or 0)  # this submission's, or an earlier one's
-    queues: dict[str, Queue] = {}
+    per_job = config.job_lines(total_lines or 0)
+    per_transaction = per_job * max(1, config.CHUNK_LINES // per_job)  # whole jobs
+    plan = QueuePlan(conn, keys, batch_id, {}, ttl, per_job, fresh=not earlier)
     try:
-        for chunk in _chunks(validate_file(path, model_override, check)):
+        for chunk in _chunks(lines, per_transaction):
             lock.check()
             conn.expire(flag, SUBMITTING_TTL_S)
-            _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, report, ttl)
+            _enqueue_chunk(plan, chunk, report)
     except BaseException:
         # Part of the file is in: the batch must not look finished before the rest is.
         # (PERSIST needs no memory, so this works on a full Redis too.)
@@ -248,91 +247,79 @@ def _mark_if_finished(conn: Redis, keys: Keys, batch_id: str) -> None:
         conn.hsetnx(meta, "completed_at", f"{time.time():.3f}")
 
 
-def _chunks(items: Iterator[JobLine | LineError]) -> Iterator[list[JobLine | list[LineError]]]:
-    """Group a validation stream into chunks of lines (a line is a JobLine or the list
-    of its LineErrors)."""
+def _chunks(items: Iterable, size: int) -> Iterator[list]:
+    """Group items into lists of `size` (the last one shorter)."""
     chunk: list = []
-    current: list[LineError] = []
     for item in items:
-        if isinstance(item, LineError):
-            if current and current[0].line != item.line:
-                chunk.append(current)
-                current = []
-            current.append(item)
-            continue
-        if current:
-            chunk.append(current)
-            current = []
         chunk.append(item)
-        if len(chunk) >= config.CHUNK_LINES:
+        if len(chunk) >= size:
             yield chunk
             chunk = []
-    if current:
-        chunk.append(current)
     if chunk:
         yield chunk
 
 
-def _key_of(entry: JobLine | list[LineError]) -> str:
-    if isinstance(entry, JobLine):
-        return line_key(entry.custom_id, entry.line)
-    return line_key(entry[0].custom_id, entry[0].line)
+@dataclass
+class QueuePlan:
+    """What every transaction of one submission (or retry) shares."""
+
+    conn: Redis
+    keys: Keys
+    batch_id: str
+    queues: dict[str, Queue]
+    ttl: int
+    per_job: int  # lines per RQ job
+    #: The batch had no line in Redis before: every line is new (no look needed).
+    fresh: bool = False
+
+    def queue(self, alias: str) -> Queue:
+        if alias not in self.queues:
+            self.queues[alias] = Queue(
+                self.keys.queue_name(alias), connection=self.conn, serializer=JSONSerializer
+            )
+        return self.queues[alias]
 
 
-def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, total, ttl) -> None:
+def _enqueue_chunk(plan: QueuePlan, chunk: list[Queued | Rejected], total: SubmitReport) -> None:
     """Write one chunk in one MULTI/EXEC: its lines are all in, or none (then raises)."""
-    line_keys = [_key_of(e) for e in chunk]
-    states = store.classify(conn, keys, batch_id, line_keys)
-    stale = _stale_jobs(conn, keys, batch_id, chunk, line_keys, states)
+    conn, keys, batch_id = plan.conn, plan.keys, plan.batch_id
+    line_keys = [e.key for e in chunk]
+    if plan.fresh:
+        states = ["new"] * len(chunk)
+    else:
+        states = store.classify(conn, keys, batch_id, line_keys)
     report = SubmitReport(batch_id)  # this chunk's counts, added to `total` once written
-    jobs: dict[str, list] = {}
+    runs: dict[str, list[Queued]] = {}  # alias -> lines to enqueue
+    for entry, state in zip(chunk, states, strict=True):
+        report.lines += 1
+        if state == "done":
+            report.already_done += 1
+            continue
+        if state == "pending":
+            report.already_pending += 1
+            continue
+        report.rerun += state == "error"
+        if isinstance(entry, Rejected):
+            report.invalid += 1
+            continue
+        runs.setdefault(entry.model, []).append(entry)
+        report.models[entry.model] = report.models.get(entry.model, 0) + 1
+        report.enqueued += 1
     # Dropped before the chunk's transaction: should that fail, these lines are "new"
     # to the next submission, which enqueues them (the batch keeps its submitting flag).
     store.clear_errors(
         conn, keys, batch_id, [k for k, s in zip(line_keys, states, strict=True) if s == "error"]
     )
     with conn.pipeline(transaction=True) as pipe:
-        for entry, key, state in zip(chunk, line_keys, states, strict=True):
-            report.lines += 1
-            line = entry.line if isinstance(entry, JobLine) else entry[0].line
-            pipe.zadd(keys.order(batch_id), {key: line})
-            if state == "done":
-                report.already_done += 1
-                continue
-            if state == "pending":
-                report.already_pending += 1
-                continue
-            report.rerun += state == "error"
-            if isinstance(entry, list):
-                report.invalid += 1
-                continue
-            job = entry if entry.model else entry.with_model(default_model)
-            if key in stale:  # forget an earlier run's RQ job before enqueueing anew
-                pipe.delete(keys.rq_job(stale[key]))
-                pipe.zrem(keys.rq_failed(job.model), stale[key])
-            pipe.hset(keys.requests(batch_id), key, dumps(job.to_record()))
-            pipe.hset(keys.batch(batch_id), f"model:{job.model}", 1)
-            jobs.setdefault(job.model, []).append(_job_data(batch_id, key, job, ttl))
-            report.models[job.model] = report.models.get(job.model, 0) + 1
-            report.enqueued += 1
-        if jobs:
-            pipe.hdel(keys.batch(batch_id), "completed_at", "cancelled")
-        for alias, datas in jobs.items():
-            if alias not in queues:
-                queues[alias] = Queue(
-                    keys.queue_name(alias), connection=conn, serializer=JSONSerializer
-                )
-            queues[alias].enqueue_many(datas, pipeline=pipe)
+        pipe.zadd(keys.order(batch_id), {e.key: e.line for e in chunk})
+        queue_lines(plan, runs, pipe)
         # Invalid lines are written after their order entries exist, so totals add up.
-        for entry, key, state in zip(chunk, line_keys, states, strict=True):
-            if isinstance(entry, list) and state in ("new", "error"):
-                message = "; ".join(
-                    f"{e.field}: {e.message}" if e.field else e.message for e in entry
-                )
+        for entry, state in zip(chunk, states, strict=True):
+            if isinstance(entry, Rejected) and state in ("new", "error"):
                 line = error_line(
-                    batch_id, entry[0].line, entry[0].custom_id, "invalid_request", message
+                    batch_id, entry.line, entry.custom_id, "invalid_request", entry.message
                 )
-                store.store_line(pipe, keys, batch_id, key, dumps(line), ok=False)
+                store.store_line(pipe, keys, batch_id, entry.key, dumps(line), ok=False)
         pipe.execute()
     total.lines += report.lines
     total.enqueued += report.enqueued
@@ -344,36 +331,71 @@ def _enqueue_chunk(conn, keys, batch_id, default_model, chunk, queues, total, tt
         total.models[alias] = total.models.get(alias, 0) + n
 
 
-def _stale_jobs(conn, keys, batch_id, chunk, line_keys, states) -> dict[str, str]:
-    """line key -> job id of an earlier submission's job, for the lines about to be
-    enqueued again (an error line, or a job that is gone): it may sit in a registry."""
-    again = [
-        k
-        for e, k, s in zip(chunk, line_keys, states, strict=True)
-        if s in ("error", "new") and isinstance(e, JobLine)
+def queue_lines(plan: QueuePlan, runs: dict[str, list[Queued]], pipe) -> None:
+    """Add to `pipe` (a MULTI/EXEC pipeline) the writes that queue these lines (alias ->
+    lines): jobs of `plan.per_job` lines, each line's request record naming its job, and
+    the removal of the lines' earlier RQ jobs. Job numbers are taken from the batch's
+    counter at once: if the transaction fails they are never used."""
+    conn, keys, batch_id = plan.conn, plan.keys, plan.batch_id
+    groups = [
+        (alias, lines[i : i + plan.per_job])
+        for alias, lines in runs.items()
+        for i in range(0, len(lines), plan.per_job)
     ]
-    if not again:
-        return {}
-    records = conn.hmget(keys.requests(batch_id), again)
-    return {
-        k: job_id(batch_id, k, int(json.loads(r)["line"]))
-        for k, r in zip(again, records, strict=True)
-        if r is not None
-    }
+    if not groups:
+        return
+    stale = {} if plan.fresh else _stale_jobs(conn, keys, batch_id, runs)
+    last = conn.hincrby(keys.batch(batch_id), JOBS_FIELD, len(groups))
+    for stale_job, alias in stale.items():  # an earlier run's RQ job, forgotten
+        pipe.delete(keys.rq_job(stale_job))
+        pipe.zrem(keys.rq_failed(alias), stale_job)
+    records: dict[str, str] = {}
+    datas: dict[str, list] = {}
+    for number, (alias, lines) in enumerate(groups, last - len(groups) + 1):
+        for entry in lines:
+            records[entry.key] = entry.stored(number)
+        datas.setdefault(alias, []).append(_job_data(batch_id, number, lines, plan.ttl))
+    pipe.hset(keys.requests(batch_id), mapping=records)
+    pipe.hset(keys.batch(batch_id), mapping={f"model:{a}": 1 for a in runs})
+    pipe.hdel(keys.batch(batch_id), "completed_at", "cancelled")
+    for alias, alias_datas in datas.items():
+        plan.queue(alias).enqueue_many(alias_datas, pipeline=pipe)
 
 
-def _job_data(batch_id: str, key: str, job: JobLine, ttl: int = 0):
-    """RQ's data for one line's job. A batch with a TTL keeps its failed RQ records no
-    longer than its lines."""
+def _stale_jobs(conn, keys, batch_id, runs: dict[str, list[Queued]]) -> dict[str, str]:
+    """job id -> alias of the earlier jobs of lines about to be enqueued again (an error
+    line, or a job that is gone): they may sit in a failed registry."""
+    again = [entry.key for lines in runs.values() for entry in lines]
+    out = {}
+    for record in conn.hmget(keys.requests(batch_id), again):
+        if record is None:
+            continue
+        try:
+            old = json.loads(record)
+            out[job_id(batch_id, int(old["job"]))] = str(old["model"])
+        except (ValueError, KeyError, TypeError):
+            continue  # damaged, or written before job numbers: nothing to forget
+    return out
+
+
+def _job_data(batch_id: str, number: int, lines: list[Queued], ttl: int = 0):
+    """RQ's data for one job of `lines` of one alias. Its timeout is the sum of its
+    lines' (the worker stops each line at its own); a batch with a TTL keeps its failed
+    RQ records no longer than its lines."""
     failure_ttl = min(config.FAILURE_TTL_S, ttl) if ttl > 0 else config.FAILURE_TTL_S
+    first = lines[0]
+    if len(lines) == 1:
+        description = f"{batch_id} line {first.line} ({first.custom_id})"
+    else:
+        description = f"{batch_id} {len(lines)} lines from line {first.line} ({first.custom_id})"
     return Queue.prepare_data(
         JOB_FUNCTION,
-        args=[batch_id, key],
-        timeout=config.job_timeout_s(job.params["max_tokens"], job.prompt_chars()),
+        args=[batch_id, [entry.key for entry in lines]],
+        timeout=sum(entry.timeout for entry in lines),
         result_ttl=0,
         failure_ttl=failure_ttl,
-        description=f"{batch_id} line {job.line} ({job.custom_id})",
-        job_id=job_id(batch_id, key, job.line),
+        description=description,
+        job_id=job_id(batch_id, number),
         retry=Retry(max=config.JOB_RETRIES),
         on_failure=Callback(FAILURE_CALLBACK),
     )

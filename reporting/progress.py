@@ -33,6 +33,7 @@ __all__ = [
     "is_finished",
     "plain_line",
     "render",
+    "worker_text",
 ]
 
 
@@ -77,6 +78,32 @@ def _audit_text(state: dict) -> str | None:
     return text + (" (speculative output differed from target-only)" if audit["mismatches"] else "")
 
 
+def _seen_ago(worker: dict, now: float) -> str | None:
+    seen = worker.get("last_seen")
+    return None if seen is None else duration(max(0.0, now - seen))
+
+
+def worker_text(worker: dict, now: float | None = None) -> str:
+    """One worker of a status object in words: counts, speed, and when it was last heard
+    from; a quiet one (not heard from for longer than the heartbeat TTL while it holds
+    lines or its batch is unfinished) says so in capitals."""
+    now = time.time() if now is None else now
+    parts = [f"{worker['completed']} completed"]
+    if worker.get("failed"):
+        parts.append(f"{worker['failed']} failed")
+    if worker.get("running"):
+        parts.append(f"{worker['running']} running")
+    parts.append(f"{worker['tokens_per_second']:.1f} tok/s")
+    ago = _seen_ago(worker, now)
+    if worker.get("quiet"):
+        parts.append(f"QUIET: not heard from for {ago}")
+    elif worker.get("stopped"):
+        parts.append("stopped")
+    elif ago is not None:
+        parts.append(f"last seen {ago} ago")
+    return ", ".join(parts)
+
+
 def plain_line(state: dict) -> str:
     """One line for logs: every number of the display, no control characters."""
     n = _numbers(state)
@@ -94,14 +121,19 @@ def plain_line(state: dict) -> str:
         parts.append(audit)
     workers = state.get("workers") or []
     if workers:
-        parts.append(
-            "workers: "
-            + ", ".join(
-                f"{w['name']} {w['completed']} completed {w['tokens_per_second']:.1f} tok/s"
-                for w in workers
-            )
-        )
+        parts.append("workers: " + ", ".join(_worker_plain(w) for w in workers))
     return "; ".join(parts)
+
+
+def _worker_plain(w: dict) -> str:
+    """A worker in a log line: what changes only when work is done (a line printed
+    whenever something changed must not change every second)."""
+    text = f"{w['name']} {w['completed']} completed {w['tokens_per_second']:.1f} tok/s"
+    if w.get("running"):
+        text += f" {w['running']} running"
+    if w.get("quiet"):
+        text += " QUIET"
+    return text
 
 
 def render(state: dict):
@@ -142,15 +174,24 @@ def render(state: dict):
             ("completed", "right"),
             ("failed", "right"),
             ("tok/s", "right"),
+            ("running", "right"),
+            ("last seen", "right"),
         ):
             table.add_column(name, justify=justify, style="dim" if name == "model" else None)
+        now = time.time()
         for w in workers:
+            ago = _seen_ago(w, now)
+            seen = "stopped" if w.get("stopped") else (f"{ago} ago" if ago else "-")
+            if w.get("quiet"):
+                seen = Text(f"QUIET {ago}", style="bold red")
             table.add_row(
                 w["name"],
                 w.get("model") or "-",
                 str(w["completed"]),
                 str(w.get("failed", 0)),
                 f"{w['tokens_per_second']:.1f}",
+                str(w.get("running", 0)),
+                seen,
             )
         parts.append(table)
     return Group(*parts)

@@ -3,13 +3,19 @@
 Reads result and error lines (FORMATS.md) from local files or from a batch in Redis,
 and writes one HTML file with a summary table and inline SVG plots, drawn here in
 Python: no JavaScript, no CDN, nothing fetched when it is opened. No MLX here.
+
+Lines are read once, as a stream, into an `Aggregate`: exact sums and per-worker
+counts, and a uniform sample of at most SAMPLE_LINES successful lines for the plots of
+single requests, so a batch of a million lines costs the same memory as one of 100,000.
 """
 
 from __future__ import annotations
 
 import html
+import itertools
 import json
 import math
+import random
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -56,7 +62,6 @@ def parse_line(obj: dict) -> Line:
     for a line whose fields have the wrong types (the report could not sum it)."""
     try:
         line = _parse(obj)
-        summarize([line])
         if not all(math.isfinite(t) for t in (line.created or 0.0, line.generation_ms)):
             raise ValueError("a time that is not a finite number")
     except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
@@ -83,6 +88,10 @@ def _parse(obj: dict) -> Line:
     worker = obj.get("worker") or metrics.get("worker") or LOCAL_WORKER
     if isinstance(worker, dict):  # metrics.worker: {"name", "host"}
         worker = worker.get("name") or LOCAL_WORKER
+    spec = metrics.get("speculative_decoding")
+    completion_tokens = int(usage.get("completion_tokens") or 0)
+    if spec:  # the counters the report sums, read as integers: a line it cannot sum fails
+        stats.counters_of_line(spec, completion_tokens)
     return Line(
         obj["custom_id"],
         True,
@@ -91,8 +100,8 @@ def _parse(obj: dict) -> Line:
         created=float(body["created"]) if body.get("created") is not None else None,
         generation_ms=float(metrics.get("generation_time_ms") or 0.0),
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
-        completion_tokens=int(usage.get("completion_tokens") or 0),
-        spec=metrics.get("speculative_decoding"),
+        completion_tokens=completion_tokens,
+        spec=spec,
     )
 
 
@@ -149,9 +158,12 @@ def read_batch(
 
 
 def _stored_line(raw, key: str, line_key, warn: Callable[[str], None] | None) -> Line:
+    from jobstore import config
+    from jobstore.lines import unpack
+
     field = line_key.decode(errors="replace") if isinstance(line_key, bytes) else line_key
     try:
-        return parse_line(json.loads(raw))
+        return parse_line(json.loads(unpack(raw, config.MAX_STORED_LINE_BYTES)))
     except (ValueError, RecursionError, ReportError) as exc:  # ValueError: not JSON, not UTF-8
         problem = f"key {key} field {field}: damaged stored line ({exc})"
     if warn:
@@ -226,49 +238,130 @@ def _add(into: list, values: Iterable) -> None:
         into[i] += v
 
 
-def summarize(lines: Iterable[Line]) -> Summary:
-    """Sum every line's counters; failed lines count as requests and errors."""
-    s = Summary()
-    first_start, last_end = math.inf, -math.inf
-    for line in lines:
-        s.requests += 1
+class _Sums(Summary):
+    """A Summary that lines are added to one at a time (`add`), then `finish`ed."""
+
+    def __init__(self):
+        super().__init__()
+        self._first_start, self._last_end = math.inf, -math.inf
+
+    def add(self, line: Line) -> None:
+        self.requests += 1
         if not line.ok:
-            s.failed += 1
-            s.errors[line.error_code] += 1
-            s.error_examples.setdefault(line.error_code, (line.custom_id, line.error_message))
-            continue
-        s.prompt_tokens += line.prompt_tokens
-        s.completion_tokens += line.completion_tokens
-        s.generation_s += line.generation_ms / 1000
+            self.failed += 1
+            self.errors[line.error_code] += 1
+            self.error_examples.setdefault(line.error_code, (line.custom_id, line.error_message))
+            return
+        self.prompt_tokens += line.prompt_tokens
+        self.completion_tokens += line.completion_tokens
+        self.generation_s += line.generation_ms / 1000
         if line.model:
-            s.models[line.model] += 1
+            self.models[line.model] += 1
         if line.created is not None:
-            first_start = min(first_start, line.created - line.generation_ms / 1000)
-            last_end = max(last_end, line.created)
+            self._first_start = min(self._first_start, line.created - line.generation_ms / 1000)
+            self._last_end = max(self._last_end, line.created)
         spec = line.spec
         if not spec:
-            continue
+            return
         counts = stats.counters_of_line(spec, line.completion_tokens)
-        s.drafters[counts["drafter"]] += 1
-        s.num_spec_steps += counts["num_spec_steps"]
-        s.num_emitted_tokens += counts["num_emitted_tokens"]
-        s.num_draft_tokens += counts["num_draft_tokens"]
-        s.num_accepted_draft_tokens += counts["num_accepted_draft_tokens"]
-        _add(s.acceptance_histogram, counts["acceptance_histogram"])
-        _add(s.draft_tokens_per_position, counts["draft_tokens_per_position"])
-        _add(s.accepted_per_position, counts["accepted_per_position"])
-        _add(s.accepted_per_position, [0] * len(s.draft_tokens_per_position))
-    if last_end > first_start:
-        s.wall_s = last_end - first_start
-    return s
+        self.drafters[counts["drafter"]] += 1
+        self.num_spec_steps += counts["num_spec_steps"]
+        self.num_emitted_tokens += counts["num_emitted_tokens"]
+        self.num_draft_tokens += counts["num_draft_tokens"]
+        self.num_accepted_draft_tokens += counts["num_accepted_draft_tokens"]
+        _add(self.acceptance_histogram, counts["acceptance_histogram"])
+        _add(self.draft_tokens_per_position, counts["draft_tokens_per_position"])
+        _add(self.accepted_per_position, counts["accepted_per_position"])
+        _add(self.accepted_per_position, [0] * len(self.draft_tokens_per_position))
+
+    def finish(self) -> Summary:
+        if self._last_end > self._first_start:
+            self.wall_s = self._last_end - self._first_start
+        return self
 
 
-def throughput_series(lines: list[Line], bins: int = TIME_BINS) -> dict[str, list[tuple]]:
+def summarize(lines: Iterable[Line]) -> Summary:
+    """Sum every line's counters; failed lines count as requests and errors."""
+    s = _Sums()
+    for line in lines:
+        s.add(line)
+    return s.finish()
+
+
+#: Successful lines kept, a uniform sample, for the plots drawn from single lines
+#: (throughput over time, time and tokens per request): the report's memory stays
+#: bounded however many lines a batch has; every sum and table is over all lines.
+SAMPLE_LINES = 100_000
+
+
+@dataclass
+class _Worker:
+    requests: int = 0
+    tokens: int = 0
+    generation_ms: float = 0.0
+
+
+class Aggregate:
+    """What the page shows, gathered line by line in bounded memory: exact sums and
+    per-worker counts, and a uniform sample (reservoir, fixed seed) of at most
+    `sample` successful lines for the per-line plots."""
+
+    def __init__(self, sample: int = SAMPLE_LINES):
+        self._sums = _Sums()
+        self.workers: dict[str, _Worker] = defaultdict(_Worker)
+        self.sample: list[Line] = []
+        self.seen_ok = 0
+        self._size = sample
+        self._rng = random.Random(0)
+        self._names: dict[str, str] = {}  # one string per worker name
+
+    def add(self, line: Line) -> None:
+        self._sums.add(line)
+        if not line.ok:
+            return
+        w = self.workers[line.worker]
+        w.requests += 1
+        w.tokens += line.completion_tokens
+        w.generation_ms += line.generation_ms
+        self.seen_ok += 1
+        if len(self.sample) < self._size:
+            self.sample.append(self._slim(line))
+        else:
+            j = self._rng.randrange(self.seen_ok)
+            if j < self._size:
+                self.sample[j] = self._slim(line)
+
+    def _slim(self, line: Line) -> Line:
+        """What the per-line plots read of a line (its statistics are summed already):
+        a sampled line costs a few hundred bytes, not its whole parsed body."""
+        worker = self._names.setdefault(line.worker, line.worker)
+        return Line(
+            None,
+            True,
+            worker=worker,
+            created=line.created,
+            generation_ms=line.generation_ms,
+            completion_tokens=line.completion_tokens,
+        )
+
+    @property
+    def scale(self) -> float:
+        """Successful lines per sampled line (1.0 when every line is kept)."""
+        return self.seen_ok / len(self.sample) if self.sample else 1.0
+
+    def summary(self) -> Summary:
+        return self._sums.finish()
+
+
+def throughput_series(
+    lines: list[Line], bins: int = TIME_BINS, scale: float = 1.0
+) -> dict[str, list[tuple]]:
     """Completion tokens/s over time, per worker: each request's tokens are spread
     evenly over [end - generation time, end], then summed per time bin (bins tile the
     batch's span exactly, so tokens are conserved). `end` is `created`, or its
     midpoint `created + 0.5` when every `created` is in whole seconds (truncated), and
     then bins are at least 2 s wide: narrower ones would show rounding, not load.
+    `scale` multiplies every rate (a sample of the lines stands for all of them).
     Returns {worker: [(seconds since the first start, tokens/s), ...]}."""
     timed = [ln for ln in lines if ln.ok and ln.created is not None]
     if not timed:
@@ -301,7 +394,8 @@ def throughput_series(lines: list[Line], bins: int = TIME_BINS) -> dict[str, lis
             if hi > lo:
                 row[b] += rate * (hi - lo) / width
     return {
-        w: [((b + 0.5) * width, v) for b, v in enumerate(row)] for w, row in sorted(out.items())
+        w: [((b + 0.5) * width, v * scale) for b, v in enumerate(row)]
+        for w, row in sorted(out.items())
     }
 
 
@@ -490,18 +584,13 @@ def _summary_table(s: Summary) -> str:
     return "<table class=summary>" + "".join(rows) + "</table>"
 
 
-def _worker_table(lines: list[Line]) -> str:
-    by: dict[str, list[Line]] = defaultdict(list)
-    for ln in lines:
-        if ln.ok:
-            by[ln.worker].append(ln)
+def _worker_table(workers: dict[str, _Worker]) -> str:
     rows = ["<tr><th>worker</th><th>requests</th><th>completion tokens</th><th>tokens/s</th></tr>"]
-    for name, mine in sorted(by.items()):
-        tokens = sum(ln.completion_tokens for ln in mine)
-        secs = sum(ln.generation_ms for ln in mine) / 1000
+    for name, w in sorted(workers.items()):
+        secs = w.generation_ms / 1000
         rows.append(
-            f"<tr><td>{html.escape(name)}</td><td class=n>{len(mine)}</td>"
-            f"<td class=n>{tokens:,}</td><td class=n>{tokens / secs if secs else 0:.1f}</td></tr>"
+            f"<tr><td>{html.escape(name)}</td><td class=n>{w.requests}</td>"
+            f"<td class=n>{w.tokens:,}</td><td class=n>{w.tokens / secs if secs else 0:.1f}</td></tr>"
         )
     return "<table class=workers>" + "".join(rows) + "</table>"
 
@@ -519,8 +608,8 @@ def _error_table(s: Summary) -> str:
     return "<table class=errors>" + "".join(rows) + "</table>"
 
 
-def _plots(s: Summary, lines: list[Line]) -> str:
-    ok = [ln for ln in lines if ln.ok]
+def _plots(s: Summary, agg: Aggregate) -> str:
+    ok = agg.sample
     hist = s.acceptance_histogram
     steps = sum(hist)
     accept_bars = [
@@ -545,7 +634,7 @@ def _plots(s: Summary, lines: list[Line]) -> str:
                 "Throughput over time, per worker",
                 "seconds since the first request started",
                 "completion tokens/s",
-                throughput_series(lines),
+                throughput_series(ok, scale=agg.scale),
             ),
             bar_chart(
                 "acceptance-length",
@@ -578,20 +667,36 @@ def _plots(s: Summary, lines: list[Line]) -> str:
     )
 
 
-def render(lines: list[Line], title: str = "specfleet batch report") -> str:
-    """The whole HTML page for these lines."""
-    s = summarize(lines)
+def render(lines: Iterable[Line] | Aggregate, title: str = "specfleet batch report") -> str:
+    """The whole HTML page for these lines (read once), or for lines already gathered."""
+    agg = lines if isinstance(lines, Aggregate) else gather(lines)
+    s = agg.summary()
     made = time.strftime("%Y-%m-%d %H:%M:%S %Z")
+    sampled = ""
+    if agg.scale > 1:
+        sampled = (
+            f"<p class=note>Plots of single requests are drawn from a uniform sample of "
+            f"{len(agg.sample):,} of {agg.seen_ok:,} successful lines; every total and "
+            "table is over all lines.</p>"
+        )
     return (
         "<!DOCTYPE html>\n<html lang=en><head><meta charset=utf-8>"
         f"<title>{html.escape(title)}</title><style>{STYLE}</style></head><body>"
         f"<h1>{html.escape(title)}</h1><p class=note>made {html.escape(made)} by spec-report</p>"
         f"<h2>Summary</h2>{_summary_table(s)}"
-        f"<h2>Workers</h2>{_worker_table(lines)}"
+        f"<h2>Workers</h2>{_worker_table(agg.workers)}"
         f"<h2>Errors</h2>{_error_table(s)}"
-        f'<h2>Plots</h2><div class="plots">{_plots(s, lines)}</div>'
+        f'<h2>Plots</h2>{sampled}<div class="plots">{_plots(s, agg)}</div>'
         "</body></html>\n"
     )
+
+
+def gather(lines: Iterable[Line]) -> Aggregate:
+    """Read lines once into an Aggregate (bounded memory)."""
+    agg = Aggregate()
+    for line in lines:
+        agg.add(line)
+    return agg
 
 
 @click.command()
@@ -611,20 +716,21 @@ def main(batch_id, results_path, errors_path, redis_url, output):
     if errors_path and not results_path:
         raise click.UsageError("--errors goes with --results")
     if results_path:
-        lines = list(read_jsonl(results_path))
+        lines = read_jsonl(results_path)
         if errors_path:
-            lines += list(read_jsonl(errors_path))
+            lines = itertools.chain(lines, read_jsonl(errors_path))
         title = f"specfleet report: {results_path}"
     else:
         lines = _batch_lines(batch_id, redis_url)
         title = f"specfleet report: batch {batch_id}"
-    page = render(lines, title)
+    agg = gather(lines)
+    page = render(agg, title)
     try:
         with open(output, "w", encoding="utf-8") as f:
             f.write(page)
     except OSError as exc:
         fail("spec-report", f"{output}: cannot write: {exc.strerror}")
-    s = summarize(lines)
+    s = agg.summary()
     click.echo(
         f"wrote {output}: {s.requests} requests, {s.failed} failed, "
         f"{s.completion_tokens} completion tokens",
@@ -632,7 +738,7 @@ def main(batch_id, results_path, errors_path, redis_url, output):
     )
 
 
-def _batch_lines(batch_id: str, redis_url: str | None) -> list[Line]:
+def _batch_lines(batch_id: str, redis_url: str | None) -> Iterator[Line]:
     from jobstore.connection import connect
     from jobstore.keys import Keys
 
@@ -641,4 +747,4 @@ def _batch_lines(batch_id: str, redis_url: str | None) -> list[Line]:
     def warn(message: str) -> None:
         click.echo(f"spec-report: warning: {message}", err=True)
 
-    return list(read_batch(conn, Keys.default(), batch_id, warn=warn))
+    return read_batch(conn, Keys.default(), batch_id, warn=warn)

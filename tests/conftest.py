@@ -36,6 +36,15 @@ if os.environ.get("SPEC_TEST_PAIR"):
     PAIR_TARGET_DIR = Path(_target)
 
 
+def stored(raw: bytes) -> dict:
+    """A line as a worker stored it in Redis (packed JSON), parsed."""
+    import json
+
+    from jobstore.lines import unpack
+
+    return json.loads(unpack(raw, 1 << 26))
+
+
 def script(name: str) -> str:
     """Path of one of this project's console scripts in the running environment."""
     path = BIN / name
@@ -100,10 +109,11 @@ class RedisEnv:
         return f"{self.prefix}_{name}"
 
     def run(self, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
-        """Run a console script to completion; stdout and stderr captured as text."""
+        """Run a console script to completion; stdout and stderr captured as text
+        (`env=` replaces the test's environment)."""
         return subprocess.run(
             [script(args[0]), *args[1:]],
-            env=self.env,
+            env=kwargs.pop("env", self.env),
             capture_output=True,
             text=True,
             timeout=timeout,

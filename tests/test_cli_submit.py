@@ -10,6 +10,7 @@ import zlib
 
 import pytest
 from click.testing import CliRunner
+from conftest import stored
 from test_jobfile import BAD_LINES, GOOD, GOOD_AFTER
 
 from jobstore.keys import job_id
@@ -122,11 +123,12 @@ def test_skip_invalid_enqueues_the_rest_and_records_error_lines(redis_env, tmp_p
     )
     assert f"follow it:  spec-status {batch}" in result.stderr
     conn, keys = redis_env.conn, redis_env.keys
+    # A small file: one line per job, so a fleet's rows share it out.
     assert conn.lrange(f"rq:queue:{keys.queue_name('demo')}", 0, -1) == [
-        job_id(batch, "c:row-1", 1).encode(),
-        job_id(batch, "c:row-3", 3).encode(),
+        job_id(batch, 1).encode(),
+        job_id(batch, 2).encode(),
     ]
-    error = json.loads(conn.hget(keys.errors(batch), "c:b"))
+    error = stored(conn.hget(keys.errors(batch), "c:b"))
     assert error == {
         "id": f"{batch}-2",
         "custom_id": "b",
@@ -155,14 +157,40 @@ def test_jobs_are_json_with_finite_timeouts_and_route_by_model(redis_env, tmp_pa
     (job_a,) = demo.jobs
     (job_b,) = other.jobs
     assert (job_a.id, job_a.func_name, job_a.args) == (
-        job_id(batch, "c:a", 1),
-        "worker.jobs.run_request",
-        [batch, "c:a"],
+        job_id(batch, 1),
+        "worker.jobs.run_lines",
+        [batch, ["c:a"]],
     )
-    assert job_b.args == [batch, "c:b"]
+    assert job_b.args == [batch, ["c:b"]]
     assert 0 < job_a.timeout < job_b.timeout < 24 * 3600
     data = zlib.decompress(redis_env.conn.hget(f"rq:job:{job_a.id}", "data"))
-    assert json.loads(data) == ["worker.jobs.run_request", None, [batch, "c:a"], {}]  # not pickle
+    assert json.loads(data) == ["worker.jobs.run_lines", None, [batch, ["c:a"]], {}]  # not pickle
+    # Each request record names its job and its own time limit.
+    record = json.loads(redis_env.conn.hget(keys.requests(batch), "c:a"))
+    assert (record["job"], record["timeout"]) == (1, job_a.timeout)
+
+
+def test_a_large_file_is_enqueued_as_jobs_of_many_lines(redis_env, tmp_path, monkeypatch):
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from jobstore import config
+
+    monkeypatch.setattr(config, "JOB_SPREAD", 4)  # 300 lines // 4: as if a large file
+    path = tmp_path / "jobs.jsonl"
+    ids = [f"r{i}" for i in range(300)]
+    path.write_text("".join(json.dumps({"custom_id": c, "prompt": "x"}) + "\n" for c in ids))
+    batch = redis_env.batch_id()
+    assert _submit(str(path), "--batch-id", batch).exit_code == 0
+    queue = Queue(
+        redis_env.keys.queue_name("demo"), connection=redis_env.conn, serializer=JSONSerializer
+    )
+    jobs = queue.jobs
+    assert [len(j.args[1]) for j in jobs] == [64, 64, 64, 64, 44]  # JOB_LINES_MAX each
+    assert [k for j in jobs for k in j.args[1]] == [f"c:{c}" for c in ids]
+    assert [j.id for j in jobs] == [job_id(batch, n) for n in range(1, 6)]
+    records = redis_env.conn.hgetall(redis_env.keys.requests(batch))
+    assert json.loads(records[b"c:r64"])["job"] == 2
 
 
 def test_resubmitting_a_queued_batch_enqueues_nothing_twice(redis_env, tmp_path):

@@ -154,7 +154,7 @@ def _take_first_job(redis_env, batch: str) -> tuple[str, str]:
     started registry as `<job id>:<execution id>`); returns (registry key, member)."""
     conn, queue = redis_env.conn, redis_env.keys.queue_name("demo")
     job_id = conn.lpop(f"rq:queue:{queue}").decode()
-    assert job_id.startswith(f"{batch}-") and job_id.endswith("-1")
+    assert job_id == f"{batch}-j1"  # the first line's job (a small file: a line per job)
     conn.hset(f"rq:job:{job_id}", "status", "started")
     registry = StartedJobRegistry(queue, connection=conn)
     member = f"{job_id}:exec1"
@@ -166,8 +166,9 @@ def test_delete_after_cancel_waits_for_the_running_lines(redis_env, tmp_path):
     batch = _submit_lines(redis_env, tmp_path, 3)
     registry, member = _take_first_job(redis_env, batch)
     cancelled = _run(cli.cancel, batch)
-    assert (
-        cancelled.stderr == f"batch {batch}: cancelled 2 waiting line(s); 1 running will finish\n"
+    assert cancelled.stderr == (
+        f"batch {batch}: cancelled 2 waiting line(s); 1 running will finish (a running job's "
+        "lines not started yet are cancelled instead)\n"
     )
     out = tmp_path / "r.jsonl"
     refused = redis_env.run("spec-collect", batch, "-o", str(out), "--delete")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import socket
@@ -23,9 +24,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import PAIR_ARGS, RedisEnv, WorkerProcess, script
+from conftest import PAIR_ARGS, RedisEnv, WorkerProcess, script, stored
 from redis import Redis
+from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
+from rq.serializers import JSONSerializer
 from test_queue import _collect, read_jsonl, write_jobs
 
 from jobstore.keys import Keys
@@ -221,9 +224,17 @@ def _tokens_counted_once(redis_env, batch: str, results: list[dict]) -> None:
 # -- 1. workers killed mid-job ----------------------------------------------------------------
 
 
+def _job_lines(redis_env, job_id: str) -> list[str]:
+    """The line keys a job of this project carries."""
+    job_id = job_id.decode() if isinstance(job_id, bytes) else job_id
+    return Job.fetch(job_id, connection=redis_env.conn, serializer=JSONSerializer).args[1]
+
+
 def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded_time(
     redis_env, start_worker, slow_pair_args, tmp_path
 ):
+    """Jobs of four lines; a worker is killed once part of its job is stored: the job
+    comes back through its heartbeat, and its lines are answered once each."""
     redis_env.env.update(FAST_HEARTBEAT)
     ttl = float(FAST_HEARTBEAT["SPEC_HEARTBEAT_TTL_S"])
     interval = float(FAST_HEARTBEAT["SPEC_HEARTBEAT_INTERVAL_S"])
@@ -232,7 +243,7 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
     # (7 s seen in CI, more with other test suites running). Still far below the job
     # timeout (minutes) and RQ's 420 s.
     bound = ttl + 1 + 2 * interval + 20.0
-    n, kills = 200, 3
+    n, kills, per_job = 200, 3, 4
     prompts = ["def parse(text):", "import os\n", "class Stack:", "for i in range(10):"]
     lines = [
         {"custom_id": f"k{i:03d}", "prompt": prompts[i % 4], "max_tokens": 8, "temperature": 0.0}
@@ -240,8 +251,10 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
     ]
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = redis_env.batch_id("kill")
-    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    env = dict(redis_env.env, SPEC_JOB_LINES=str(per_job))
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch, env=env).returncode == 0
     queue_key = f"rq:queue:{redis_env.keys.queue_name('demo')}"
+    assert redis_env.conn.llen(queue_key) == n // per_job
 
     names = iter(f"{redis_env.prefix}-w{i}" for i in range(10))
     live: dict[str, WorkerProcess] = {}
@@ -250,31 +263,40 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
         name = next(names)
         live[name] = start_worker("--name", name, *slow_pair_args)
 
+    def stored(keys: list[str]) -> list[bool]:
+        with redis_env.conn.pipeline(transaction=False) as pipe:
+            for key in keys:
+                pipe.hexists(redis_env.keys.results(batch), key)
+            return pipe.execute()
+
+    def half_done(seen: set[str]):
+        """A job a live worker runs that has some of its lines stored, not all."""
+        for job, worker in _running(redis_env, batch).items():
+            if job in seen or worker not in live:
+                continue
+            keys = _job_lines(redis_env, job)
+            if 0 < sum(stored(keys)) < len(keys):
+                return job, worker, keys
+        return None
+
     start()
     start()
-    requeue_s, lost_jobs = [], []
+    requeue_s, killed_lines, done_before = [], [], 0
+    seen: set[str] = set()
     for _ in range(kills):
-        # Kill a worker right after it has started a job: the job is surely half done.
-        seen = set(_running(redis_env, batch))
-        victim_job, victim = _wait_until(
-            lambda seen=seen: next(
-                (
-                    (j, w)
-                    for j, w in _running(redis_env, batch).items()
-                    if j not in seen and w in live
-                ),
-                None,
-            ),
+        victim_job, victim, keys = _wait_until(
+            lambda: half_done(seen),
             timeout=120,
-            what="a worker to start a new job",
+            what="a worker half way through a job",
             poll=0.01,
         )
+        seen.add(victim_job)
         live[victim].signal(signal.SIGKILL)
         killed_at = time.monotonic()
         assert live.pop(victim).wait(timeout=10) == -signal.SIGKILL
-        line = int(victim_job.rsplit("-", 1)[1])
-        key = f"c:{lines[line - 1]['custom_id']}"
-        assert not redis_env.conn.hexists(redis_env.keys.results(batch), key), "not mid-job"
+        left = [k for k, done in zip(keys, stored(keys), strict=True) if not done]
+        assert 0 < len(left) < per_job, "not mid-job"
+        done_before += per_job - len(left)
         # Re-queued (a retry used) by the reaper of a worker that is itself busy: no
         # replacement is started until then, and the queue never ran dry.
         _wait_until(
@@ -285,7 +307,7 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
         )
         requeue_s.append(time.monotonic() - killed_at)
         assert redis_env.conn.llen(queue_key) > 0, "a worker may have been idle"
-        lost_jobs.append(key)
+        killed_lines += left
         start()
 
     _wait_until(lambda: _done(redis_env, batch) >= n, timeout=180, what="the batch", poll=0.2)
@@ -299,16 +321,18 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
     lost, duplicated = _check_once_each(results, [x["custom_id"] for x in lines])
     assert (lost, duplicated) == (0, 0)
     assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
-    _tokens_counted_once(redis_env, batch, results)
+    _tokens_counted_once(redis_env, batch, results)  # no line of a re-run job counted twice
     state = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
     assert state["status"] == "completed" and state["request_counts"]["completed"] == n
-    assert all(redis_env.conn.hexists(redis_env.keys.results(batch), key) for key in lost_jobs)
+    assert all(stored(killed_lines))
     assert max(requeue_s) < bound, requeue_s
     figures(
         "worker killed",
         requests=n,
+        lines_per_job=per_job,
         workers=2,
         kills=kills,
+        lines_stored_before_kills=done_before,
         requeued_within_s=f"{max(requeue_s):.2f}",
         bound_s=f"{bound:.1f}",
         results_lost=lost,
@@ -524,9 +548,12 @@ def test_ten_thousand_lines_with_one_percent_malformed(redis_env, start_worker, 
     assert f"batch {batch}: {n} lines: {len(valid)} enqueued, {len(bad)} invalid" in stderr
     assert max(rss_reject, rss_skip) < 300, (rss_reject, rss_skip)
     conn, keys = redis_env.conn, redis_env.keys
-    assert conn.llen(f"rq:queue:{keys.queue_name('demo')}") == len(valid)
+    queue_key = f"rq:queue:{keys.queue_name('demo')}"
+    queued = sorted(k for j in conn.lrange(queue_key, 0, -1) for k in _job_lines(redis_env, j))
+    assert queued == sorted(f"c:k{number - 1:03d}" for number in valid)  # each once
+    assert conn.llen(queue_key) < len(valid) / 10  # jobs of many lines: a 10k-line file
     assert conn.hlen(keys.requests(batch)) == len(valid)
-    errors = [json.loads(v) for v in conn.hvals(keys.errors(batch))]
+    errors = [stored(v) for v in conn.hvals(keys.errors(batch))]
     assert sorted(e["error"]["line"] for e in errors) == sorted(bad)
     assert {e["error"]["code"] for e in errors} == {"invalid_request"}
 
@@ -537,8 +564,13 @@ def test_ten_thousand_lines_with_one_percent_malformed(redis_env, start_worker, 
     for w in workers:
         assert w.wait(timeout=1800 if full else 120) == 0, w.log
     completed = conn.hlen(keys.results(batch))
-    assert completed == (len(valid) if full else 2 * per_worker)
-    sample = [json.loads(v) for v in conn.hvals(keys.results(batch))]
+    left = sum(len(_job_lines(redis_env, j)) for j in conn.lrange(queue_key, 0, -1))
+    assert completed == len(valid) - left  # every line of every job taken, none other
+    if not full:  # each worker took jobs until it had at least --max-jobs lines
+        answered = re.compile(rf"{batch} line \d+ \(k\d+\): \d+ tokens")
+        took = [len(answered.findall(w.log)) for w in workers]
+        assert all(t >= per_worker for t in took) and sum(took) == completed, took
+    sample = [stored(v) for v in conn.hvals(keys.results(batch))]
     assert {r["error"] for r in sample} == {None}
     assert all(r["response"]["body"]["usage"]["completion_tokens"] <= 1 for r in sample)
     figures(

@@ -11,7 +11,7 @@ import socket
 import time
 
 import pytest
-from conftest import PAIR_ARGS, PAIR_TARGET_DIR
+from conftest import PAIR_ARGS, PAIR_TARGET_DIR, stored
 from rq import Callback, Queue
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -204,9 +204,9 @@ def test_forged_jobs_are_refused_and_never_run(redis_env, start_worker, tmp_path
             os.system, f"touch {marker}2", job_id=f"{redis_env.prefix}_pickle"
         ),
         f"{redis_env.prefix}_callback": json_queue.enqueue(
-            "worker.jobs.run_request",
+            key_layout.JOB_FUNCTION,
             "x",
-            "y",
+            ["c:y"],
             on_success=Callback("os.system"),
             job_id=f"{redis_env.prefix}_callback",
         ),
@@ -224,7 +224,7 @@ def test_forged_jobs_are_refused_and_never_run(redis_env, start_worker, tmp_path
     assert set(reports) == set(forged)
     assert (
         reports[f"{redis_env.prefix}_system"]["reason"]
-        == "names function 'os.system'; only worker.jobs.run_request runs here"
+        == "names function 'os.system'; only worker.jobs.run_lines runs here"
     )
     assert (
         reports[f"{redis_env.prefix}_pickle"]["reason"]
@@ -373,7 +373,7 @@ def test_the_worker_rechecks_the_context_and_jobs_for_other_models_wait(
     assert "no worker has served model 'other-model' yet" in submitted.stderr
     assert start_worker("--burst", *PAIR_ARGS).wait(timeout=120) == 0
 
-    (error,) = [json.loads(v) for v in redis_env.conn.hvals(redis_env.keys.errors(batch))]
+    (error,) = [stored(v) for v in redis_env.conn.hvals(redis_env.keys.errors(batch))]
     assert error["custom_id"] == "tight" and error["error"]["code"] == "context_length_exceeded"
     assert error["error"]["message"].startswith("messages: prompt (")
     state = json.loads(redis_env.run("spec-status", batch, "--json").stdout)
@@ -386,7 +386,16 @@ def test_the_worker_rechecks_the_context_and_jobs_for_other_models_wait(
     }
     other = Queue(redis_env.keys.queue_name("other-model"), connection=redis_env.conn)
     # Never taken by the demo worker.
-    assert other.job_ids == [key_layout.job_id(batch, "c:elsewhere", 2)]
+    assert other.job_ids == [key_layout.job_id(batch, 2)]
+
+
+def set_line_timeout(redis_env, batch: str, line_key: str, seconds: int) -> None:
+    """Give one queued line a time limit of `seconds` (as if its request asked for very
+    little work): the limit is stored with the line's request."""
+    requests = redis_env.keys.requests(batch)
+    record = json.loads(redis_env.conn.hget(requests, line_key))
+    record["timeout"] = seconds
+    redis_env.conn.hset(requests, line_key, json.dumps(record))
 
 
 def _wait_running(redis_env, batch: str, timeout: float = 60) -> None:
@@ -441,16 +450,23 @@ def test_sigterm_finishes_or_puts_back_the_running_job(
     assert [r["custom_id"] for r in results] == ["r0", "r1"]
 
 
+@pytest.mark.parametrize("job_lines", ["1", "3"], ids=["job-per-line", "one-job"])
 def test_a_poison_request_is_tried_three_times_then_becomes_an_error_line(
-    redis_env, start_worker, tmp_path
+    redis_env, start_worker, tmp_path, job_lines
 ):
+    """Alone in its job, or in one job with the other lines: the poison line is tried
+    three times, every other line is answered once."""
     lines = [
+        {"custom_id": "before", "prompt": "x", "max_tokens": 2},
         {"custom_id": "poison", "prompt": "x", "max_tokens": 2},
         {"custom_id": "fine", "prompt": "x", "max_tokens": 2},
     ]
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = redis_env.batch_id()
-    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    env = dict(redis_env.env, SPEC_JOB_LINES=job_lines)
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch, env=env).returncode == 0
+    queued = redis_env.conn.llen(f"rq:queue:{redis_env.keys.queue_name('demo')}")
+    assert queued == (3 if job_lines == "1" else 1)
     # A record that reads back fine but makes every run raise (an unreadable record is an
     # error line at once: tests/test_worker_reliability.py).
     requests = redis_env.keys.requests(batch)
@@ -459,13 +475,17 @@ def test_a_poison_request_is_tried_three_times_then_becomes_an_error_line(
     redis_env.conn.hset(requests, "c:poison", json.dumps(record))
     worker = start_worker("--burst", *PAIR_ARGS)
     assert worker.wait(timeout=120) == 0, worker.log  # the worker kept serving
-    poison = key_layout.job_id(batch, "c:poison", 1)
-    assert worker.log.count(f"({poison})") == 3  # dequeued three times: two retries
+    for attempt in (1, 2, 3):
+        assert worker.log.count(f"line 2 (poison): attempt {attempt} of 3 failed") == 1
+    assert worker.log.count("line 2 (poison): attempt") == 3
+    for other in ("line 1 (before): ", "line 3 (fine): "):  # answered once, never re-run
+        assert worker.log.count(other) == 1, worker.log
     errors = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
     assert [(x["custom_id"], x["error"] and x["error"]["code"]) for x in errors] == [
+        ("before", None),
         ("poison", "internal_error"),
         ("fine", None),
     ]
-    assert errors[0]["error"]["message"].startswith("TypeError: ")
-    assert "frobnicate" in errors[0]["error"]["message"]
-    assert errors[0]["error"]["message"].endswith("(3 attempts)")
+    assert errors[1]["error"]["message"].startswith("TypeError: ")
+    assert "frobnicate" in errors[1]["error"]["message"]
+    assert errors[1]["error"]["message"].endswith("(3 attempts)")

@@ -10,10 +10,16 @@ import time
 
 from conftest import PAIR_ARGS
 from rq.registry import StartedJobRegistry
-from test_queue import LONG, _collect, comparable, mixed_lines, read_jsonl, write_jobs
+from test_queue import (
+    LONG,
+    _collect,
+    comparable,
+    mixed_lines,
+    read_jsonl,
+    set_line_timeout,
+    write_jobs,
+)
 from test_queue_liveness import HEARTBEAT
-
-from jobstore.keys import job_id
 
 
 def _peak(log: str) -> int:
@@ -100,7 +106,7 @@ def test_a_batched_job_past_its_timeout_fails_alone(
     )
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    redis_env.conn.hset(f"rq:job:{job_id(batch, 'c:slow', 1)}", "timeout", 1)
+    set_line_timeout(redis_env, batch, "c:slow", 1)
     worker = start_worker("--burst", "--batch", "4", *slow_pair_args)
     assert worker.wait(timeout=180) == 0, worker.log
     lines = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))

@@ -10,7 +10,7 @@ import time
 from rq.job import Job
 from rq.registry import StartedJobRegistry
 from test_faults import _running, _wait_until
-from test_queue import LONG, _collect, _wait_running, read_jsonl, write_jobs
+from test_queue import LONG, _collect, _wait_running, read_jsonl, set_line_timeout, write_jobs
 
 from jobstore.keys import job_id
 
@@ -73,7 +73,7 @@ def test_a_killed_workers_job_is_requeued_even_while_the_others_are_busy(
         what="both workers busy",
         poll=0.02,
     )
-    a, b = job_id(batch, "c:a", 1), job_id(batch, "c:b", 2)
+    a, b = job_id(batch, 1), job_id(batch, 2)  # a small file: one line per job
     doomed, survivor = workers[running[a]], workers[running[b]]
     doomed.signal(signal.SIGKILL)
     assert doomed.wait(timeout=10) == -signal.SIGKILL
@@ -105,8 +105,7 @@ def test_a_job_past_its_timeout_is_stopped_and_becomes_a_timeout_line(
     )
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    # As if derived from a tiny max_tokens.
-    redis_env.conn.hset(f"rq:job:{job_id(batch, 'c:slow', 1)}", "timeout", 1)
+    set_line_timeout(redis_env, batch, "c:slow", 1)  # as if derived from a tiny max_tokens
     worker = start_worker("--burst", *slow_pair_args)
     assert worker.wait(timeout=120) == 0, worker.log
     lines = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))

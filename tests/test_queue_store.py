@@ -66,7 +66,17 @@ def test_a_line_is_stored_once_with_its_counters_even_if_written_twice(redis_env
     assert conn.hget(keys.worker("w1"), "completed") == b"1" and not conn.exists(keys.worker("w2"))
     workers = batches.status(conn, keys, batch)["workers"]
     assert workers == [
-        {"name": "w1", "model": None, "completed": 1, "failed": 0, "tokens_per_second": 125.0}
+        {
+            "name": "w1",
+            "model": None,
+            "completed": 1,
+            "failed": 0,
+            "running": 0,
+            "tokens_per_second": 125.0,
+            "last_seen": None,  # no worker process registered it
+            "stopped": False,
+            "quiet": False,
+        }
     ]
 
     assert store.store_line(conn, keys, batch, "c:r1", failed, ok=False, worker="w2")
@@ -82,7 +92,7 @@ def test_a_line_is_stored_once_with_its_counters_even_if_written_twice(redis_env
 
 
 def test_a_job_that_runs_again_does_not_generate_again(redis_env, tmp_path):
-    """run_request returns before touching the model when its line is already stored."""
+    """run_lines returns before touching the model when its lines are already stored."""
     import pytest
 
     pytest.importorskip("mlx")
@@ -95,7 +105,7 @@ def test_a_job_that_runs_again_does_not_generate_again(redis_env, tmp_path):
         jobs.WorkerContext(pair=None, alias="demo", worker_name="w2", conn=conn, keys=keys)
     )
     try:
-        assert jobs.run_request(batch, "c:r0") == {"stored": False, "reason": "already has a line"}
+        assert jobs.run_lines(batch, ["c:r0"]) == {"lines": 1, "answered": 0}
     finally:
         jobs.set_context(None)
 

@@ -17,7 +17,15 @@ import pytest
 from click.testing import CliRunner
 
 from engine.types import SpecStats
-from reporting.report import Line, main, read_jsonl, summarize, throughput_series
+from reporting.report import (
+    Aggregate,
+    Line,
+    main,
+    read_jsonl,
+    render,
+    summarize,
+    throughput_series,
+)
 
 T0 = 1764460800
 PLOTS = (
@@ -190,6 +198,29 @@ def test_throughput_conserves_tokens_with_whole_second_timestamps(files):
     assert sum(v for _, v in points) * width == pytest.approx(
         sum(ln.completion_tokens for ln in lines)
     )
+
+
+def test_a_large_batch_is_summed_exactly_and_plotted_from_a_bounded_sample(files):
+    """Memory stays bounded: sums and the worker table cover every line, the per-line
+    plots a uniform sample, scaled back up to the whole batch."""
+    results, errors, _ = files
+    lines = [*read_jsonl(results), *read_jsonl(errors)] * 50  # 1,600 lines
+    agg = Aggregate(sample=100)
+    for line in lines:
+        agg.add(line)
+    full = summarize(lines)
+    got = agg.summary()
+    assert (got.requests, got.failed, got.completion_tokens) == (1600, 100, full.completion_tokens)
+    assert got.acceptance_histogram == full.acceptance_histogram
+    assert len(agg.sample) == 100 and agg.seen_ok == 1500 and agg.scale == 15
+    assert sum(w.requests for w in agg.workers.values()) == 1500
+    assert sum(w.tokens for w in agg.workers.values()) == full.completion_tokens
+    page = render(agg)
+    assert "uniform sample of 100 of 1,500 successful lines" in page
+    (points,) = throughput_series(agg.sample, scale=agg.scale).values()
+    (exact,) = throughput_series([ln for ln in lines if ln.ok]).values()
+    total = sum(v for _, v in exact)
+    assert sum(v for _, v in points) == pytest.approx(total, rel=0.25)  # a sample, scaled
 
 
 def _run(args: list[str]):

@@ -32,32 +32,50 @@ def test_a_job_naming_any_other_function_is_refused_without_running(
     conn, keys, prefix = redis_env.conn, redis_env.keys, redis_env.prefix
     queue = Queue(keys.queue_name("demo"), connection=conn, serializer=JSONSerializer)
     marker = tmp_path / "ran"
+    only = "only worker.jobs.run_lines runs here"
+    many = [f"c:{i}" for i in range(65)]  # one more than JOB_LINES_MAX
     forged = {
         f"{prefix}_subprocess": (
             queue.enqueue(
                 "subprocess.call", ["touch", f"{marker}1"], job_id=f"{prefix}_subprocess"
             ),
-            "names function 'subprocess.call'; only worker.jobs.run_request runs here",
+            f"names function 'subprocess.call'; {only}",
         ),
         f"{prefix}_callback": (
             queue.enqueue(
                 JOB_FUNCTION,
                 f"{prefix}_b",
-                "c:a",
+                ["c:a"],
                 on_failure=Callback("os.system"),
                 job_id=f"{prefix}_callback",
             ),
             "names failure callback 'os.system'",
         ),
         f"{prefix}_kwargs": (
-            queue.enqueue(JOB_FUNCTION, f"{prefix}_b", line_key="c:a", job_id=f"{prefix}_kwargs"),
-            "has an instance or keyword arguments; expected (batch id, line key)",
+            queue.enqueue(
+                JOB_FUNCTION, f"{prefix}_b", line_keys=["c:a"], job_id=f"{prefix}_kwargs"
+            ),
+            "has an instance or keyword arguments; expected (batch id, [line keys])",
         ),
         f"{prefix}_ourcallback": (
             queue.enqueue(
-                "worker.jobs.on_job_failure", f"{prefix}_b", "c:a", job_id=f"{prefix}_ourcallback"
+                "worker.jobs.on_job_failure", f"{prefix}_b", ["c:a"], job_id=f"{prefix}_ourcallback"
             ),
-            "names function 'worker.jobs.on_job_failure'; only worker.jobs.run_request runs here",
+            f"names function 'worker.jobs.on_job_failure'; {only}",
+        ),
+        # Arguments of the wrong shape: one line key (the old one-line job), too many
+        # lines, something that is not a line key.
+        f"{prefix}_oneline": (
+            queue.enqueue(JOB_FUNCTION, f"{prefix}_b", "c:a", job_id=f"{prefix}_oneline"),
+            f"arguments ['{prefix}_b', 'c:a'] are not (batch id, [line keys])",
+        ),
+        f"{prefix}_toomany": (
+            queue.enqueue(JOB_FUNCTION, f"{prefix}_b", many, job_id=f"{prefix}_toomany"),
+            f"arguments {str([f'{prefix}_b', many])[:80]} are not (batch id, [line keys])",
+        ),
+        f"{prefix}_notakey": (
+            queue.enqueue(JOB_FUNCTION, f"{prefix}_b", ["x:1"], job_id=f"{prefix}_notakey"),
+            f"arguments ['{prefix}_b', ['x:1']] are not (batch id, [line keys])",
         ),
     }
     worker = start_worker("--burst", *PAIR_ARGS)

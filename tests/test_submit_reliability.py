@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from click.testing import CliRunner
 from conftest import PAIR_ARGS, script
 from test_faults import private_redis  # noqa: F401 - a fixture
@@ -84,6 +85,19 @@ def _queued_jobs(env, batch: str) -> list[str]:
     return [j.decode() for j in env.conn.lrange(queue, 0, -1) if j.decode().startswith(batch)]
 
 
+def _queued_lines(env, batch: str) -> list[str]:
+    """Line keys of the batch's jobs waiting in the demo queue (duplicates kept)."""
+    from rq.job import Job
+    from rq.serializers import JSONSerializer
+
+    # One by one: fetch_many's MULTI is refused while Redis is over its maxmemory.
+    jobs = [
+        Job.fetch(i, connection=env.conn, serializer=JSONSerializer)
+        for i in _queued_jobs(env, batch)
+    ]
+    return [key for job in jobs for key in job.args[1]]
+
+
 def _half_written(env, batch: str) -> list[str]:
     """Job records of the batch that lack what a worker needs (a status alone)."""
     out = []
@@ -107,13 +121,17 @@ def _submit_in(env, monkeypatch, *args: str):
     return CliRunner().invoke(cli.submit, list(args), catch_exceptions=False)
 
 
+@pytest.mark.parametrize("job_lines", ["1", "4"])
 def test_redis_full_mid_submit_is_one_line_and_a_resubmit_completes_the_batch_once(
     private_redis,  # noqa: F811
     tmp_path,
     monkeypatch,
+    job_lines,
 ):
+    """One line per job, or jobs of four lines (two a transaction): whole jobs or none."""
     server, env = private_redis(*FULL_REDIS)
     monkeypatch.setattr(config, "CHUNK_LINES", 8)
+    monkeypatch.setenv("SPEC_JOB_LINES", job_lines)
     ids = [f"r{i}" for i in range(60)]
     jobs = _jobs(tmp_path / "jobs.jsonl", ids, pad=60_000)  # 3.6 MB: full mid-file
     batch = env.batch_id()
@@ -130,9 +148,11 @@ def test_redis_full_mid_submit_is_one_line_and_a_resubmit_completes_the_batch_on
         f"{prefix}{enqueued} of {len(ids)} lines enqueued; raise maxmemory or free memory, "
         f"then run the same command with --batch-id {batch} to enqueue the rest"
     )
-    # What is there is whole: as many complete jobs queued as the message says.
+    # What is there is whole: complete jobs of as many lines as the message says.
     assert _half_written(env, batch) == []
-    assert len(set(_queued_jobs(env, batch))) == len(_queued_jobs(env, batch)) == enqueued
+    assert len(set(_queued_jobs(env, batch))) == len(_queued_jobs(env, batch))
+    assert len(_queued_jobs(env, batch)) == enqueued // int(job_lines)
+    assert len(set(_queued_lines(env, batch))) == len(_queued_lines(env, batch)) == enqueued
     assert env.conn.hlen(env.keys.requests(batch)) == enqueued
     assert env.run("spec-status", batch).stdout.splitlines()[0] == f"batch {batch}: queued"
 
@@ -143,8 +163,7 @@ def test_redis_full_mid_submit_is_one_line_and_a_resubmit_completes_the_batch_on
         f"batch {batch}: {len(ids)} lines: {len(ids) - enqueued} enqueued, "
         f"{enqueued} already queued or running"
     ) in again.stderr
-    assert sorted(_queued_jobs(env, batch)) == sorted(set(_queued_jobs(env, batch)))
-    assert len(_queued_jobs(env, batch)) == len(ids)
+    assert sorted(_queued_lines(env, batch)) == sorted(f"c:{c}" for c in ids)  # once each
 
     worker = env.start_worker("--burst", *PAIR_ARGS)
     assert worker.wait(timeout=240) == 0, worker.log
@@ -154,7 +173,8 @@ def test_redis_full_mid_submit_is_one_line_and_a_resubmit_completes_the_batch_on
     status = json.loads(env.run("spec-status", batch, "--json").stdout)
     assert (status["status"], status["request_counts"]["completed"]) == ("completed", len(ids))
     print(
-        f"figures: redis full: lines={len(ids)}, maxmemory_mb=4, enqueued_before_full={enqueued}, "
+        f"figures: redis full: lines={len(ids)}, lines_per_job={job_lines}, maxmemory_mb=4, "
+        f"enqueued_before_full={enqueued}, "
         f"half_written_jobs=0, results={len(results)}, results_lost=0, results_duplicated=0"
     )
 
@@ -218,9 +238,14 @@ def test_two_submits_of_one_batch_at_once_enqueue_each_line_once(redis_env, tmp_
         f"batch {batch}: 3000 lines: 3000 enqueued; models: demo (3000)",
     ]
     queued = _queued_jobs(redis_env, batch)
-    assert len(queued) == len(set(queued)) == 3000
+    per_job = 3000 // config.JOB_SPREAD  # lines per job for a file this size
+    assert len(queued) == len(set(queued)) == -(-3000 // per_job)
+    lines = _queued_lines(redis_env, batch)
+    assert sorted(lines) == sorted(f"c:{c}" for c in ids)  # each line in one job, once
     assert not redis_env.conn.exists(redis_env.keys.submit_lock(batch))  # released
-    print(f"figures: two submits at once: lines=3000, queue_entries={len(queued)}")
+    print(
+        f"figures: two submits at once: lines=3000, queued_lines={len(lines)}, jobs={len(queued)}"
+    )
 
 
 def test_a_submit_that_finds_its_batch_locked_waits_then_says_so(redis_env, tmp_path):

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PAIR_ARGS
+from conftest import PAIR_ARGS, stored
 from rq.registry import FailedJobRegistry
 from test_faults import (  # noqa: F401 (private_redis is a fixture)
     FAST_HEARTBEAT,
@@ -107,9 +107,7 @@ def test_an_unreadable_request_becomes_an_error_line_at_once(
 
     conn, keys = redis_env.conn, redis_env.keys
     assert sorted(conn.hkeys(keys.results(batch))) == [b"c:a", b"c:d"]
-    errors = {
-        k.decode(): json.loads(v)["error"] for k, v in conn.hgetall(keys.errors(batch)).items()
-    }
+    errors = {k.decode(): stored(v)["error"] for k, v in conn.hgetall(keys.errors(batch)).items()}
     where = f"the stored request cannot be read ({requests} field"
     assert errors == {
         "c:b": {
@@ -154,9 +152,13 @@ def test_workers_wait_while_redis_is_full_and_lose_nothing(request, slow_pair_ar
     ]
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = env.batch_id("full")
-    assert env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     single = env.start_worker(*slow_pair_args)
     batched = env.start_worker("--batch", "8", *slow_pair_args)
+    # Submitted once both listen: on a loaded machine the one that loads its pair first
+    # could otherwise answer every line before the other asks for one.
+    for w in (single, batched):
+        w.wait_for_log("Listening on", timeout=120)
+    assert env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     _wait_until(
         lambda: _done(env, batch) >= 2 and len(set(_running(env, batch).values())) == 2,
         timeout=120,

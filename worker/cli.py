@@ -65,7 +65,7 @@ def _load_pair(name: str, target: str | None, draft: str | None):
     "--max-jobs",
     type=click.IntRange(min=1),
     metavar="N",
-    help="Exit after taking N jobs (lines), a batch's included.",
+    help="Exit after taking N lines (a job of several lines is never split: at least N).",
 )
 @click.option("--name", metavar="NAME", help="Worker name (default: host.pid).")
 @click.option(
@@ -74,7 +74,7 @@ def _load_pair(name: str, target: str | None, draft: str | None):
     default=1,
     show_default=True,
     type=click.IntRange(1, 256),
-    help="Jobs decoded together: claims up to N queued lines and batches them.",
+    help="Lines decoded together: claims queued jobs while fewer than N lines run.",
 )
 @click.option(
     "--audit",
@@ -122,7 +122,8 @@ def worker(
     keys = Keys.default()
     name = name or f"{socket.gethostname()}.{os.getpid()}"
     _register(conn, keys, pair, alias, name)
-    set_context(WorkerContext(pair, alias, name, conn, keys, config.result_ttl_s()))
+    context = WorkerContext(pair, alias, name, conn, keys, config.result_ttl_s())
+    set_context(context)
     set_auditor(Auditor(audit_rate) if audit_rate else None)
     queue = keys.queue_name(alias)
     warning = warn_if_evicting(conn)
@@ -139,14 +140,17 @@ def worker(
         serializer=JSONSerializer,
         job_class=SafeJob,
         refused_key=keys.refused,
+        stats_key=keys.worker(name),
         max_batch=max_batch,
         worker_ttl=60,
         maintenance_interval=30,
     )
+    context.stopping = spec_worker.stop_requested
     crash = _CrashWatch()
     logging.getLogger("rq.worker").addFilter(crash)
     try:
-        spec_worker.work(burst=burst, max_jobs=max_jobs, logging_level=log_level.upper())
+        with context.lines():  # its side thread stores lines that wait
+            spec_worker.work(burst=burst, max_jobs=max_jobs, logging_level=log_level.upper())
     except redis.exceptions.ConnectionError as exc:
         if not spec_worker.stopping:
             raise
@@ -186,16 +190,21 @@ def _register(conn, keys: Keys, pair, alias: str, name: str) -> None:
     if tokenizer_json:
         mapping["tokenizer_json"] = tokenizer_json
     conn.hset(keys.model(alias), mapping=mapping)
-    conn.hset(
-        keys.worker(name),
-        mapping={
-            "model": alias,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "started_at": f"{time.time():.3f}",
-        },
-    )
-    conn.expire(keys.worker(name), 7 * 24 * 3600)  # as store_line does after each line
+    now = f"{time.time():.3f}"
+    with conn.pipeline() as pipe:
+        pipe.hdel(keys.worker(name), "stopped_at")
+        pipe.hset(
+            keys.worker(name),
+            mapping={
+                "model": alias,
+                "host": socket.gethostname(),
+                "pid": os.getpid(),
+                "started_at": now,
+                "last_seen": now,
+            },
+        )
+        pipe.expire(keys.worker(name), config.WORKER_STATS_TTL_S)  # renewed by heartbeats
+        pipe.execute()
 
 
 def _tokenizer_json(pair) -> str | None:

@@ -5,7 +5,8 @@ and keeping running jobs alive.
   even during registry clean-up; it also carries what a batch computed for the job to
   RQ's `perform_job` (`precomputed`), so that hand-off is visible where it happens.
 - `vet` says why a payload must not run: it must be JSON naming
-  `worker.jobs.run_request` with (batch id, line key) arguments and no callbacks but ours.
+  `worker.jobs.run_lines` with (batch id, [line keys]) arguments (1 to JOB_LINES_MAX
+  keys) and no callbacks but ours.
 - `Heartbeat` refreshes running jobs' liveness from a side thread and reaps abandoned
   jobs of the queue while the worker is busy.
 - `ColdShutdown` is what a second stop signal raises in the main thread.
@@ -18,16 +19,13 @@ import logging
 import signal
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from rq.job import Job
 
 from jobstore import config
-from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION
+from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION, is_line_key
 from worker import rqcompat
-
-if TYPE_CHECKING:
-    from worker.execute import Outcome
 
 log = logging.getLogger("specfleet.worker")
 
@@ -44,19 +42,20 @@ class ColdShutdown(BaseException):
 class SafeJob(Job):
     """A Job that resolves only this project's function and failure callback."""
 
-    #: What a batch computed for this job (an Outcome, or an exception to raise), given
-    #: to run_request when RQ performs the job, in place of running the line again.
-    precomputed: Outcome | BaseException | None = None
+    #: What a batched run already did with this job (True: its lines are stored; an
+    #: exception: raise it as the job's), given to run_lines when RQ performs the job,
+    #: in place of running its lines again.
+    precomputed: bool | BaseException | None = None
 
     @property
     def func(self):
         if self.func_name != JOB_FUNCTION:
             raise RuntimeError(f"refusing to run {self.func_name!r}")
-        from worker.jobs import run_request
+        from worker.jobs import run_lines
 
         if self.precomputed is not None:
-            return functools.partial(run_request, precomputed=self.precomputed)
-        return run_request
+            return functools.partial(run_lines, precomputed=self.precomputed)
+        return run_lines
 
     @property
     def success_callback(self):
@@ -84,14 +83,17 @@ def vet(job: Job) -> str | None:
     if func != JOB_FUNCTION:
         return f"names function {func!r}; only {JOB_FUNCTION} runs here"
     if rqcompat.has_instance(job) or kwargs:
-        return "has an instance or keyword arguments; expected (batch id, line key)"
+        return "has an instance or keyword arguments; expected (batch id, [line keys])"
     if not (
         isinstance(args, list | tuple)
         and len(args) == 2
-        and all(isinstance(a, str) for a in args)
+        and isinstance(args[0], str)
         and config.ID_PATTERN.match(args[0])
+        and isinstance(args[1], list)
+        and 1 <= len(args[1]) <= config.JOB_LINES_MAX
+        and all(is_line_key(k) for k in args[1])
     ):
-        return f"arguments {str(args)[:80]} are not (batch id, line key)"
+        return f"arguments {str(args)[:80]} are not (batch id, [line keys])"
     names = rqcompat.callback_names(job)
     if names.success or names.stopped:
         return "names a success or stopped callback"

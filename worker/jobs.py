@@ -1,10 +1,21 @@
 """The one job function a worker runs, its failure callback, and their context.
 
-A job is `run_request(batch_id, line_key)`: it reads the validated line from
-`P:batch:B:requests`, runs it on the pair loaded at start-up (set once with
-`set_context`, never loaded inside a job) and stores its line and counters with
-`store_line`, once per (batch, line key): a job that runs twice writes nothing the
-second time.
+A job is `run_lines(batch_id, line_keys)`: one to JOB_LINES_MAX lines of one batch
+and model alias. It reads their validated requests from `P:batch:B:requests` in one
+round trip, runs each on the pair loaded at start-up (set once with `set_context`,
+never loaded inside a job) under its own timeout, and stores each line and its counters
+once per (batch, line key) as soon as it is done (worker.storing: lines that finish in
+quick succession share one call); all are stored before the job ends. So a job that runs
+again (its worker was killed, or it was delivered twice) skips the lines already
+answered: a line with a result has no request record any more, a line with an error
+line is skipped too.
+
+A line that raises or passes its timeout does not stop the others: they are answered,
+and the job then fails with `LinesFailed` naming the lines that did, so RQ runs it again
+(two retries, spaced like any retry) for those lines only. With no retry left,
+`on_job_failure` writes each unanswered line's error line (`timeout`, `worker_lost`,
+`internal_error`). A cancelled batch's lines that have not started are stored as
+`cancelled` error lines instead of being run.
 """
 
 from __future__ import annotations
@@ -12,18 +23,21 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from redis import Redis
 from rq.exceptions import AbandonedJobError
-from rq.timeouts import JobTimeoutException
+from rq.job import get_current_job
+from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
 
 from jobstore import config, store
 from jobstore.jobfile import JobLine
 from jobstore.keys import Keys
 from jobstore.lines import dumps, error_line
 from worker.execute import Outcome, execute, failure
+from worker.storing import LineStore
 
 log = logging.getLogger("specfleet.worker")
 
@@ -38,6 +52,16 @@ class WorkerContext:
     conn: Redis
     keys: Keys
     ttl_s: int = 0
+    #: True once the worker was asked to stop after its current line (a first SIGTERM).
+    stopping: Callable[[], bool] = field(default=lambda: False)
+    #: Where finished lines go (worker.storing.LineStore); made on first use.
+    sink: Any = None
+
+    def lines(self) -> LineStore:
+        """The worker's LineStore."""
+        if self.sink is None:
+            self.sink = LineStore(self)
+        return self.sink
 
 
 _context: WorkerContext | None = None
@@ -50,36 +74,89 @@ def set_context(context: WorkerContext | None) -> None:
 
 def get_context() -> WorkerContext:
     if _context is None:
-        raise RuntimeError("run_request needs a worker context (set_context at start-up)")
+        raise RuntimeError("run_lines needs a worker context (set_context at start-up)")
     return _context
 
 
 @dataclass(frozen=True)
-class Request:
-    """A line's state in Redis when a job comes to run it."""
+class Line:
+    """One unanswered line of a job, as its worker found it."""
 
-    answered: bool  # it has a result or error line already
-    line: JobLine | None  # None: no such request (batch deleted?), or unreadable
-    cancelled: bool
+    key: str
+    line: JobLine | None  # None when its stored request cannot be read
+    timeout: int  # seconds it may run
     unreadable: str | None = None  # why the stored request cannot be parsed
 
 
-def read_request(ctx: WorkerContext, batch_id: str, line_key: str) -> Request:
-    """One look at a line: answered already, cancelled, and its parsed request."""
+@dataclass(frozen=True)
+class JobLines:
+    """A job's lines still to answer (in the job's order), and the batch's cancel flag."""
+
+    todo: list[Line]
+    cancelled: bool
+
+
+class LinesFailed(Exception):
+    """Some lines of a job raised or passed their timeout (the others were answered).
+    `failures`: line key -> (error code, message) for the error line, should no retry
+    be left."""
+
+    def __init__(self, failures: dict[str, tuple[str, str]]):
+        self.failures = failures
+        first = next(iter(failures.items()))
+        super().__init__(f"{len(failures)} line(s) failed, first {first[0]}: {first[1][1]}"[:1000])
+
+
+class PutBack(BaseException):
+    """The worker was asked to stop: the job's remaining lines go back to the queue
+    (BaseException: nothing may treat it as the job's failure)."""
+
+
+def read_lines(ctx: WorkerContext, batch_id: str, line_keys: list[str]) -> JobLines:
+    """One round trip: the job's lines that have neither a result (their request record
+    is gone then) nor an error line, their requests parsed, and the cancel flag."""
     conn, keys = ctx.conn, ctx.keys
     with conn.pipeline(transaction=False) as pipe:
-        pipe.hexists(keys.results(batch_id), line_key)
-        pipe.hexists(keys.errors(batch_id), line_key)
-        pipe.hget(keys.requests(batch_id), line_key)
-        pipe.hget(keys.batch(batch_id), "cancelled")
-        has_result, has_error, record, cancelled = pipe.execute()
-    line, unreadable = None, None
-    if record is not None:
-        try:
-            line = JobLine.from_record(json.loads(record))
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            unreadable = f"{type(exc).__name__}: {exc}"
-    return Request(bool(has_result or has_error), line, bool(cancelled), unreadable)
+        pipe.hmget(keys.requests(batch_id), line_keys)
+        pipe.hmget(keys.errors(batch_id), line_keys)
+        pipe.hexists(keys.batch(batch_id), "cancelled")
+        records, errors, cancelled = pipe.execute()
+    todo = []
+    for key, record, error in zip(line_keys, records, errors, strict=True):
+        if record is None or error is not None:
+            continue  # answered (or the batch was deleted): nothing to do
+        todo.append(_parse(key, record))
+    return JobLines(todo, bool(cancelled))
+
+
+def _parse(key: str, record: bytes) -> Line:
+    try:
+        data = json.loads(record)
+        line = JobLine.from_record(data)
+        timeout = int(data.get("timeout") or config.job_timeout_s(1, 0))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        return Line(key, None, 0, f"{type(exc).__name__}: {exc}")
+    return Line(key, line, max(1, timeout))
+
+
+def settle(ctx: WorkerContext, batch_id: str, line: Line, cancelled: bool) -> Outcome | None:
+    """The outcome of a line that needs no engine (an unreadable request, a cancelled
+    batch, another model), else None."""
+    if line.unreadable is not None:
+        outcome = _unreadable(ctx, batch_id, line.key, line.unreadable)
+        log.error("%s %s: %s", batch_id, line.key, outcome.line["error"]["message"])
+        return outcome
+    job = line.line
+    if cancelled:
+        return failure(batch_id, job, "cancelled", "the batch was cancelled before it started")
+    if job.model != ctx.alias:
+        return failure(
+            batch_id,
+            job,
+            "model_not_served",
+            f"model {job.model!r} reached a worker serving {ctx.alias!r}; it was not run",
+        )
+    return None
 
 
 def _unreadable(ctx: WorkerContext, batch_id: str, line_key: str, reason: str) -> Outcome:
@@ -95,101 +172,137 @@ def _unreadable(ctx: WorkerContext, batch_id: str, line_key: str, reason: str) -
     return Outcome(False, line, {})
 
 
-def run_request(
-    batch_id: str, line_key: str, precomputed: Outcome | BaseException | None = None
-) -> dict:
-    """Run one line of a batch and store its result or error line.
+def store_outcome(
+    ctx: WorkerContext, batch_id: str, line: Line, outcome: Outcome, took_s: float = 0.0
+) -> None:
+    """Hand a line's outcome to the worker's LineStore (stored once per line key)."""
+    number = line.line.line if line.line is not None else outcome.line["error"]["line"]
+    ctx.lines().add(batch_id, line.key, number, outcome, took_s)
 
-    `precomputed` is what a batch computed for the line (worker.rqbatch, through
-    SafeJob): stored instead of running the line, or raised when an exception.
-    Returns a small summary (stored by RQ only briefly). Raises on unexpected errors,
-    so RQ retries the job; the last failure becomes an error line in on_job_failure.
+
+def started(ctx: WorkerContext, batch_id: str) -> None:
+    """A job of the batch starts decoding: note when the batch's first line did, and
+    count the job for this worker (so spec-status lists a worker that holds lines
+    before it has answered any, and still once it has gone quiet)."""
+    with ctx.conn.pipeline(transaction=False) as pipe:
+        pipe.hsetnx(ctx.keys.batch(batch_id), "started_at", f"{time.time():.3f}")
+        pipe.hincrby(ctx.keys.batch_workers(batch_id), f"jobs:{ctx.worker_name}", 1)
+        pipe.execute()
+
+
+def line_failed(batch_id: str, line: Line, exc: BaseException) -> tuple[str, str]:
+    """(code, message) of a line that raised or passed its timeout, logged with the
+    attempt it was."""
+    if isinstance(exc, JobTimeoutException):
+        code, message = "timeout", f"did not finish within {line.timeout} s"
+    else:
+        code, message = "internal_error", f"{type(exc).__name__}: {exc}"
+    job = get_current_job()
+    left = getattr(job, "retries_left", None)
+    attempt = config.JOB_RETRIES + 1 - left if left is not None else 1
+    log.warning(
+        "%s line %d (%s): attempt %d of %d failed: %s",
+        batch_id,
+        line.line.line,
+        line.line.custom_id,
+        attempt,
+        config.JOB_RETRIES + 1,
+        message,
+    )
+    return code, message
+
+
+def run_lines(batch_id: str, line_keys: list[str], precomputed: Any = None) -> dict:
+    """Run a job's lines one by one and store each line's result or error line.
+
+    `precomputed` is what a batched run (worker.rqbatch, through SafeJob) already did
+    with the job: its lines are stored; an exception here is raised as the job's.
+    Raises LinesFailed when lines raised or timed out (RQ retries the job for them),
+    PutBack when the worker was asked to stop with lines left.
     """
     ctx = get_context()
-    conn, keys = ctx.conn, ctx.keys
     if isinstance(precomputed, BaseException):
-        raise precomputed  # e.g. the job's timeout, met while it ran in a batch
-    request = read_request(ctx, batch_id, line_key)
-    job = request.line
-    if request.answered:
-        return {"stored": False, "reason": "already has a line"}
-    if request.unreadable is not None:
-        outcome = _unreadable(ctx, batch_id, line_key, request.unreadable)
-        log.error("%s %s: %s", batch_id, line_key, outcome.line["error"]["message"])
-    elif job is None:
-        log.warning("batch %s has no request %s (deleted?): nothing to do", batch_id, line_key)
-        return {"stored": False, "reason": "no such request"}
-    elif request.cancelled:
-        outcome = failure(batch_id, job, "cancelled", "the batch was cancelled before it started")
-    elif job.model != ctx.alias:
-        outcome = failure(
-            batch_id,
-            job,
-            "model_not_served",
-            f"model {job.model!r} reached a worker serving {ctx.alias!r}; it was not run",
-        )
-    else:
-        conn.hsetnx(keys.batch(batch_id), "started_at", f"{time.time():.3f}")
-        outcome = (
-            precomputed
-            if precomputed is not None
-            else execute(ctx.pair, ctx.alias, batch_id, job, ctx.worker_name)
-        )
-    stored = store.store_line(
-        conn,
-        keys,
-        batch_id,
-        line_key,
-        dumps(outcome.line),
-        ok=outcome.ok,
-        counters=outcome.counters,
-        worker=ctx.worker_name,
-        ttl_s=ctx.ttl_s,
-    )
-    if job is None:
-        return {"stored": stored, "ok": False}
-    code = None if outcome.ok else outcome.line["error"]["code"]
-    log.info(
-        "%s line %d (%s): %s%s",
-        batch_id,
-        job.line,
-        job.custom_id,
-        f"{outcome.completion_tokens} tokens" if outcome.ok else f"error {code}",
-        "" if stored else " (already stored by another run)",
-    )
-    return {"stored": stored, "ok": outcome.ok}
+        raise precomputed
+    if precomputed is not None:
+        return {"lines": len(line_keys)}
+    found = read_lines(ctx, batch_id, line_keys)
+    sink = ctx.lines()
+    failures: dict[str, tuple[str, str]] = {}
+    noted = False
+    try:
+        for i, line in enumerate(found.todo):
+            if i and ctx.stopping():
+                raise PutBack(f"{len(found.todo) - i} line(s) of the job not started")
+            cancelled = found.cancelled or sink.cancelled(batch_id)
+            outcome = settle(ctx, batch_id, line, cancelled)
+            began = time.monotonic()
+            if outcome is None:
+                if not noted:
+                    started(ctx, batch_id)
+                    noted = True
+                try:
+                    with UnixSignalDeathPenalty(line.timeout, JobTimeoutException):
+                        outcome = execute(ctx.pair, ctx.alias, batch_id, line.line, ctx.worker_name)
+                except Exception as exc:  # JobTimeoutException is one too
+                    failures[line.key] = line_failed(batch_id, line, exc)
+                    continue
+            store_outcome(ctx, batch_id, line, outcome, time.monotonic() - began)
+    finally:
+        sink.flush()  # every line stored before RQ hears how the job ended
+    if failures:
+        raise LinesFailed(failures)
+    return {"lines": len(line_keys), "answered": len(found.todo)}
 
 
 def on_job_failure(job, connection: Redis, exc_type, exc_value, traceback) -> None:
-    """RQ failure callback: once a job has no retries left, write its error line
-    (`timeout`, `worker_lost` or `internal_error`). Runs in a worker process."""
+    """RQ failure callback: once a job has no retries left, write the error line of
+    each of its lines still unanswered (`timeout`, `worker_lost` or `internal_error`).
+    Runs in a worker process."""
     if job.retries_left:
         return  # RQ runs it again
-    batch_id, line_key = job.args
+    batch_id, line_keys = job.args
     keys = _context.keys if _context is not None else Keys.default()
-    if not connection.hexists(keys.requests(batch_id), line_key):
-        return  # the batch was deleted meanwhile
-    # The line number is in the job id and the custom_id in the line key, so even a
-    # request that cannot be read back gets its error line.
-    line = int(job.id.rsplit("-", 1)[1])
-    custom_id = line_key[2:] if line_key.startswith("c:") else None
+    with connection.pipeline(transaction=False) as pipe:
+        pipe.hmget(keys.requests(batch_id), line_keys)
+        pipe.hmget(keys.errors(batch_id), line_keys)
+        records, errors = pipe.execute()
     tries = f"{config.JOB_RETRIES + 1} attempts"  # every job is enqueued with these retries
-    if exc_type is not None and issubclass(exc_type, JobTimeoutException):
-        code, message = "timeout", f"did not finish within {job.timeout} s ({tries})"
-    elif exc_type is not None and issubclass(exc_type, AbandonedJobError):
-        code, message = "worker_lost", f"the worker running it stopped responding ({tries})"
+    own = exc_value.failures if isinstance(exc_value, LinesFailed) else {}
+    if exc_type is not None and issubclass(exc_type, AbandonedJobError):
+        code, message = "worker_lost", "the worker running it stopped responding"
+    elif exc_type is not None and issubclass(exc_type, JobTimeoutException):
+        code, message = "timeout", f"did not finish within {job.timeout} s"
     else:
         name = exc_type.__name__ if exc_type is not None else "error"
-        code, message = "internal_error", f"{name}: {exc_value} ({tries})"
+        code, message = "internal_error", f"{name}: {exc_value}"
     worker = _context.worker_name if _context is not None else None
-    store.store_line(
-        connection,
-        keys,
-        batch_id,
-        line_key,
-        dumps(error_line(batch_id, line, custom_id, code, message)),
-        ok=False,
-        worker=worker,
-        ttl_s=_context.ttl_s if _context is not None else 0,
-    )
-    log.warning("%s line %d (%s): error %s: %s", batch_id, line, custom_id, code, message)
+    for key, record, error in zip(line_keys, records, errors, strict=True):
+        if record is None or error is not None:
+            continue  # answered, or the batch was deleted meanwhile
+        # The custom_id is in the line key and the line number in the order zset, so
+        # even a request that cannot be read back gets its error line.
+        try:
+            number = int(json.loads(record)["line"])
+        except (ValueError, KeyError, TypeError):
+            number = int(connection.zscore(keys.order(batch_id), key) or 0)
+        custom_id = key[2:] if key.startswith("c:") else None
+        line_code, line_message = own.get(key, (code, message))
+        store.store_line(
+            connection,
+            keys,
+            batch_id,
+            key,
+            dumps(error_line(batch_id, number, custom_id, line_code, f"{line_message} ({tries})")),
+            ok=False,
+            worker=worker,
+            ttl_s=_context.ttl_s if _context is not None else 0,
+        )
+        log.warning(
+            "%s line %d (%s): error %s: %s (%s)",
+            batch_id,
+            number,
+            custom_id,
+            line_code,
+            line_message,
+            tries,
+        )

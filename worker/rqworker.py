@@ -4,7 +4,7 @@
 forking after Metal is initialised crashes on macOS) with these changes:
 
 - Vetting (worker.guard): before anything of a job is executed, its payload must be
-  JSON naming `worker.jobs.run_request` with (batch id, line key) arguments and no
+  JSON naming `worker.jobs.run_lines` with (batch id, [line keys]) arguments and no
   callbacks but ours. Anything else is refused: logged, moved to the failed registry
   with the reason, and reported in `P:refused`. `SafeJob` makes sure RQ itself never
   imports a function or callback a job names, even during registry clean-up.
@@ -15,9 +15,15 @@ forking after Metal is initialised crashes on macOS) with these changes:
   idle, and from its heartbeat thread while busy (RQ alone only does it while some
   worker is idle), so a dead worker's job is re-queued even when every other worker
   is busy.
-- Signals: the first SIGTERM/SIGINT finishes the current job, then exits 0; a second
-  one stops now and puts the job back at the front of its queue (retries untouched)
-  for another worker, exiting 128 + the signal number. While Redis is unreachable (or
+- Time limits: each line has its own (stored with its request), enforced by
+  worker.jobs (one alarm per line); RQ's limit on the whole job is not armed.
+- Signals: the first SIGTERM/SIGINT finishes the current line, puts the job back at the
+  front of its queue if it has lines left, then exits 0; a second one stops now and
+  puts the job back (retries untouched) for another worker, exiting 128 + the signal
+  number. Lines already stored stay stored: whoever runs the job again skips them.
+- Liveness for `spec-status`: every RQ heartbeat (busy or idle) also writes the
+  worker's `last_seen` in `P:worker:W`, and a clean exit its `stopped_at`.
+- `--max-jobs N` counts lines: the worker stops after the job that takes it to N. While Redis is unreachable (or
   full: worker.redisfull), a stop signal to an idle worker (or a second one) ends the
   wait for it.
 - A job run again after its worker was killed, or delivered twice, ends as a success
@@ -45,6 +51,7 @@ from jobstore import config
 from jobstore.connection import ReconnectingRetry
 from worker import rqcompat
 from worker.guard import ColdShutdown, Heartbeat, SafeJob, vet
+from worker.jobs import PutBack
 from worker.rqbatch import BatchSession
 
 __all__ = ["ColdShutdown", "SafeJob", "SpecWorker", "vet"]
@@ -63,26 +70,38 @@ class _NoDeathPenalty(BaseDeathPenalty):
         pass
 
 
+class _PutBackDone(BaseException):
+    """Raised once an interrupted job is back in its queue: ends RQ's handling of it."""
+
+
 class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
     """See the module docstring. Construct with `job_class=SafeJob` and the JSON
-    serializer (worker.cli does)."""
+    serializer (worker.cli does); `stats_key` is the worker's `P:worker:W` hash."""
 
-    def __init__(self, *args, refused_key: str, max_batch: int = 1, **kwargs):
+    death_penalty_class = _NoDeathPenalty  # each line has its own limit (worker.jobs)
+
+    def __init__(self, *args, refused_key: str, stats_key: str, max_batch: int = 1, **kwargs):
         # Set before RQ's __init__, which reads dequeue_timeout.
         self.heartbeat_interval = config.heartbeat_interval_s()
         self.heartbeat_ttl = config.heartbeat_ttl_s()
         self.refused_key = refused_key
+        self.stats_key = stats_key
         self.max_batch = max_batch
         self.cold_signum: int | None = None
         self.stopping = False  # a stop signal has arrived
         self._last_reap = 0.0
+        self._last_seen_at = 0.0
         self.jobs_left: int | None = None  # --max-jobs budget, counted in lines
         super().__init__(*args, **kwargs)
 
     def work(self, *args, max_jobs: int | None = None, **kwargs) -> bool:
-        # RQ counts one job per dequeue; a batch claims several, and each counts here.
+        # RQ counts jobs; --max-jobs counts lines, here.
         self.jobs_left = max_jobs
-        return super().work(*args, max_jobs=max_jobs, **kwargs)
+        return super().work(*args, **kwargs)
+
+    def stop_requested(self) -> bool:
+        """Whether a stop signal asked the worker to stop after its current line."""
+        return rqcompat.stop_requested(self)
 
     # -- running only our job ---------------------------------------------------------
 
@@ -95,11 +114,7 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
             session = BatchSession(self, queue, self.max_batch, limit=self.jobs_left)
             session.run(job)
             self.set_state(WorkerStatus.IDLE)
-            if self.jobs_left is not None:
-                self.jobs_left -= session.taken
-                if self.jobs_left <= 0:
-                    log.info("worker %s: --max-jobs reached, stopping", self.name)
-                    rqcompat.stop_after_this(self)
+            taken = session.taken
         else:
 
             def running():
@@ -107,7 +122,16 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
                 return [(job, execution)] if execution is not None else []
 
             with Heartbeat(self, running):
-                super().execute_job(job, queue)
+                try:
+                    super().execute_job(job, queue)
+                except _PutBackDone:
+                    self.set_state(WorkerStatus.IDLE)
+            taken = len(job.args[1])
+        if self.jobs_left is not None:
+            self.jobs_left -= taken
+            if self.jobs_left <= 0:
+                log.info("worker %s: --max-jobs reached, stopping", self.name)
+                rqcompat.stop_after_this(self)
         self.reap()
 
     def dequeue_job_and_maintain_ttl(self, timeout, max_idle_time=None):
@@ -165,6 +189,26 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
     def get_heartbeat_ttl(self, job: Job, working_time: float = 0.0) -> int:
         return int(self.heartbeat_ttl)
 
+    def heartbeat(self, timeout: int | None = None, pipeline=None):
+        # RQ heartbeats an idle worker on every pass of its dequeue loop and a busy one
+        # from our heartbeat thread (with a pipeline): last_seen follows both, written
+        # at most once a second outside the heartbeat thread.
+        super().heartbeat(timeout, pipeline)
+        now = time.time()
+        if pipeline is None and now - self._last_seen_at < 1.0:
+            return
+        self._last_seen_at = now
+        conn = pipeline if pipeline is not None else self.connection
+        conn.hset(self.stats_key, "last_seen", f"{now:.3f}")
+        conn.expire(self.stats_key, config.WORKER_STATS_TTL_S)
+
+    def register_death(self):
+        super().register_death()
+        try:  # a clean exit: spec-status must not call this worker quiet
+            self.connection.hset(self.stats_key, "stopped_at", f"{time.time():.3f}")
+        except Exception as exc:  # Redis away at exit: it shows as quiet, and is
+            log.warning("could not record the exit of worker %s: %s", self.name, exc)
+
     def reap(self, force: bool = False) -> None:
         """Clean expired started jobs of our queues: retried if they have retries left,
         else failed (their error line is written by the failure callback)."""
@@ -174,9 +218,10 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
         self._last_reap = now
         for queue in self.queues:
             lock = f"{queue.key}:reaper"
-            if not self.connection.set(
-                lock, self.name, nx=True, ex=max(5, int(self.heartbeat_interval))
-            ):
+            # A worker killed while it reaps leaves the lock: it expires within a heartbeat
+            # interval (at least 1 s), so the dead worker's own job is not kept waiting.
+            hold_ms = max(1000, int(self.heartbeat_interval * 1000))
+            if not self.connection.set(lock, self.name, nx=True, px=hold_ms):
                 continue
             try:
                 StartedJobRegistry(
@@ -233,6 +278,10 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
         if exc_info[0] is ColdShutdown:  # not the job's failure: another worker runs it
             self.put_back(job, queue, execution)
             raise SystemExit(128 + exc_info[1].signum)
+        if exc_info[0] is PutBack:  # stopping after a line: the rest for another worker
+            self.put_back(job, queue, execution)
+            log.info("job %s: %s, put back", job.id, exc_info[1])
+            raise _PutBackDone
 
     def put_back(self, job: Job, queue, execution) -> None:
         """Return an interrupted job to the front of its queue for another worker."""

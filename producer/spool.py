@@ -1,0 +1,149 @@
+"""The first pass of spec-submit: validate every line once, report every problem, and
+keep each line's verdict in a temporary file for the second pass.
+
+The second pass (producer.submit) enqueues from the spool and parses or validates no
+line again, so a million-line file costs one validation per line, not two. Per
+non-blank line the spool holds either what is queued (`Queued`: line key, line number,
+custom_id, model alias, time limit, the request record as JSON) or why the line was
+rejected (`Rejected`). It is an anonymous temporary file (in TMPDIR, about the size of
+the job file), gone once closed: memory stays bounded whatever the file's size.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from jobstore import config
+from jobstore.keys import line_key
+from jobstore.lines import dumps
+
+if TYPE_CHECKING:
+    from jobstore.jobfile import JobLine, LineError
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A valid line, ready to be queued."""
+
+    key: str
+    line: int
+    custom_id: str
+    model: str
+    timeout: int  # seconds the line may run (config.job_timeout_s)
+    record: str  # the request record (JobLine.to_record) as JSON
+
+    @classmethod
+    def of(cls, job: JobLine, default_model: str) -> Queued:
+        """A validated line; it runs on `default_model` if it names no model."""
+        timeout = config.job_timeout_s(job.params["max_tokens"], job.prompt_chars())
+        key = line_key(job.custom_id, job.line)
+        model = job.model or default_model
+        return cls(key, job.line, job.custom_id, model, timeout, dumps(job.to_record(model)))
+
+    def stored(self, job: int) -> str:
+        """The request record as stored in Redis: with its job's number and its timeout."""
+        return f'{self.record[:-1]},"job":{job},"timeout":{self.timeout}}}'
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """A line that is not valid: it becomes an `invalid_request` error line."""
+
+    key: str
+    line: int
+    custom_id: str | None
+    message: str
+
+    @classmethod
+    def of(cls, errors: list[LineError]) -> Rejected:
+        """One line's problems (all of the same line)."""
+        first = errors[0]
+        message = "; ".join(f"{e.field}: {e.message}" if e.field else e.message for e in errors)
+        return cls(line_key(first.custom_id, first.line), first.line, first.custom_id, message)
+
+
+class Spool:
+    """Verdicts in a temporary file, read back in the file's order (any number of
+    times). Use as a context manager, or close it."""
+
+    def __init__(self):
+        self._file = tempfile.TemporaryFile(prefix="spec-submit-")
+        self.valid = 0
+        self.invalid = 0
+
+    def __enter__(self) -> Spool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    # One line per entry. Queued: line number, timeout, model alias, the line key as
+    # JSON and the record, tab-separated (an alias has no tab, JSON text no raw tab or
+    # newline); the custom_id is the key's. Rejected: a JSON list of its fields.
+    def add(self, entry: Queued | Rejected) -> None:
+        if isinstance(entry, Queued):
+            key = dumps(entry.key)
+            line = f"{entry.line}\t{entry.timeout}\t{entry.model}\t{key}\t{entry.record}\n"
+            self.valid += 1
+        else:
+            line = dumps([entry.key, entry.line, entry.custom_id, entry.message]) + "\n"
+            self.invalid += 1
+        self._file.write(line.encode())
+
+    def __iter__(self) -> Iterator[Queued | Rejected]:
+        self._file.flush()
+        self._file.seek(0)
+        for raw in self._file:
+            text = raw.decode()
+            if text.startswith("["):
+                yield Rejected(*json.loads(text))
+                continue
+            number, timeout, model, key, record = text.rstrip("\n").split("\t", 4)
+            key = json.loads(key)
+            yield Queued(key, int(number), key[2:], model, int(timeout), record)
+
+    @property
+    def lines(self) -> int:
+        return self.valid + self.invalid
+
+
+def spool_file(
+    path: str,
+    model_override: str | None,
+    default_model: str,
+    check: Callable[[JobLine], LineError | None] | None,
+    on_error: Callable[[LineError], None],
+) -> Spool:
+    """Validate the whole file (every problem through on_error) into a new Spool; a
+    line without a model runs on `default_model`. Raises JobFileError when the file
+    cannot be read (the spool is closed then)."""
+    from jobstore.jobfile import LineError, validate_file  # pydantic: only to submit
+
+    spool = Spool()
+    try:
+        current: list[LineError] = []  # the problems of the line being read
+        for item in validate_file(path, model_override, check):
+            if isinstance(item, LineError):
+                on_error(item)
+                if current and current[0].line != item.line:
+                    spool.add(Rejected.of(current))
+                    current = []
+                current.append(item)
+                continue
+            if current:
+                spool.add(Rejected.of(current))
+                current = []
+            spool.add(Queued.of(item, default_model))
+        if current:
+            spool.add(Rejected.of(current))
+    except BaseException:
+        spool.close()
+        raise
+    return spool
