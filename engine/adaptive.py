@@ -41,6 +41,11 @@ PROBE_FIRST, PROBE_MAX = 8, 256
 # Speculation must beat plain decoding by this much in the model before it is used:
 # a step the model over-rates costs real time, one it under-rates costs nothing.
 MARGIN = 0.03
+# The realized-speed guard: once this many plain and speculative steps of one batch size
+# have run, speculation there must have cost no more seconds per emitted token than
+# plain decoding (within MARGIN), or it is stopped until a probe says otherwise.
+GUARD_MIN_STEPS = 8
+GUARD_EMA = 0.1
 # Acceptance of lookup drafts taken inside a model-drafted request (key in the controller).
 HYBRID_LOOKUP = "model+lookup"
 PASS_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320)
@@ -256,6 +261,37 @@ class FixedRow:
 
 
 @dataclass
+class Realized:
+    """Measured seconds per emitted token of the steps of one batch size: those that
+    drafted nothing and those that drafted (exponential moving averages)."""
+
+    plain: float = 0.0
+    spec: float = 0.0
+    plain_steps: int = 0
+    spec_steps: int = 0
+
+    def observe(self, seconds_per_token: float, drafted: bool) -> None:
+        if drafted:
+            self.spec = _moving(self.spec, seconds_per_token, self.spec_steps)
+            self.spec_steps += 1
+        else:
+            self.plain = _moving(self.plain, seconds_per_token, self.plain_steps)
+            self.plain_steps += 1
+
+    def speculation_lost(self) -> bool:
+        """Whether drafting has measurably cost more per token than plain decoding."""
+        return (
+            self.plain_steps >= GUARD_MIN_STEPS
+            and self.spec_steps >= GUARD_MIN_STEPS
+            and self.spec > self.plain * (1 + MARGIN)
+        )
+
+
+def _moving(old: float, new: float, seen: int) -> float:
+    return new if seen == 0 else old + GUARD_EMA * (new - old)
+
+
+@dataclass
 class DraftController:
     """Per-process state for "auto": pass costs of both models, acceptance priors.
 
@@ -275,6 +311,7 @@ class DraftController:
     calibrated: bool = True  # curves in seconds (else decode-step units)
     live_target: dict = field(default_factory=dict)  # (rows, width) -> measured / curve
     live_draft: dict = field(default_factory=dict)  # rows -> measured / curve, one pass
+    realized: dict = field(default_factory=dict)  # rows -> Realized: the guard's evidence
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
@@ -395,7 +432,9 @@ class DraftController:
                 return 0
         rates = {k: self._rate(auto, fixed, k, rows, drafted_rows) for k in range(1, k_max + 1)}
         best = max(rates, key=lambda k: (rates[k], -k))
-        if rates[best] > base * (1 + MARGIN):
+        realized = self.realized.get(rows)
+        lost = realized is not None and realized.speculation_lost()
+        if rates[best] > base * (1 + MARGIN) and not lost:
             self.steps_since_probe = 0
             return best
         # Speculation does not pay at today's acceptance. If it could not pay even if
@@ -429,11 +468,25 @@ class DraftController:
             self.probe_interval = min(self.probe_interval * 2, PROBE_MAX)
 
     def observe_step(
-        self, rows: int, width: int, verify_s: float, depth: int, drafted_rows: int, draft_s: float
+        self,
+        rows: int,
+        width: int,
+        verify_s: float,
+        depth: int,
+        drafted_rows: int,
+        draft_s: float,
+        emitted: int = 0,
     ) -> None:
         """Fold one measured step into the live costs: the curves' load factors, and the
         seconds of this exact shape (a batch pass is not priced well by a one-row curve:
-        per-row overheads make a draft pass over many rows cost about a target pass)."""
+        per-row overheads make a draft pass over many rows cost about a target pass).
+        `emitted` (tokens the step put out, every row) feeds the realized-speed guard:
+        whatever the cost model says, speculation that measurably cost more per token
+        than plain decoding at this batch size stops until a probe pays."""
+        if emitted:
+            self.realized.setdefault(rows, Realized()).observe(
+                (verify_s + draft_s) / emitted, drafted=width > 1
+            )
         self.target.observe(rows * width, verify_s)
         _ema(self.live_target, (rows, width), verify_s / self.target._curve(rows * width))
         if depth and drafted_rows and self.draft is not None and draft_s > 0:

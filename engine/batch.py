@@ -349,7 +349,10 @@ class BatchDecoder:
             self.controller.probe_result(*probe)
         depth = self.proposer.depth_run if self.proposer is not None else 0
         members = len(self.proposer.members) if self.proposer is not None else 0
-        self.controller.observe_step(len(self.rows), width, verify_s, depth, members, draft_s)
+        emitted = sum(1 + n for n, _ in results)
+        self.controller.observe_step(
+            len(self.rows), width, verify_s, depth, members, draft_s, emitted
+        )
 
     # -- inspection (tests, statistics) ------------------------------------------------
     def cache_lengths(self, key) -> tuple[int, int | None]:

@@ -43,7 +43,7 @@ PROMPTS = [
 ]
 MODES = [1, 3, 7, "auto"]
 N_DRAWS = 20_000  # batched
-N_SINGLE = 1_500  # one row at a time through the single-request path, on top of ...
+N_SINGLE = 1_000  # one row at a time through the single-request path, on top of ...
 N_EQUAL = 300  # ... seed-for-seed equality with the batched path
 N_MUTANT = 10_000  # a sharpened q is a subtle error: it takes more draws to show
 BLOCKS = (("model", 1), ("model", 2), ("model", 3))  # block lengths 1..3 mixed
