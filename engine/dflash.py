@@ -657,7 +657,11 @@ def greedy_reference(
             feats = cap.features
         verified = mx.argmax(logits[0], axis=-1).tolist()
         n = next(
-            (i for i, (d, v) in enumerate(zip(drafts, verified, strict=True)) if d != v),
+            (
+                i
+                for i, (d, v) in enumerate(zip(drafts, verified[: len(drafts)], strict=True))
+                if d != v
+            ),
             len(drafts),
         )
         trim_prompt_cache(cache, len(drafts) - n)

@@ -355,6 +355,29 @@ def test_greedy_speculation_with_a_random_drafter_equals_target_only(tmp_path, l
     assert stats["target_passes"] == len(stats["accepted"])
 
 
+def test_the_reference_loop_takes_a_wholly_accepted_block(tmp_path, llama, monkeypatch):
+    """A drafter whose every block is right: each pass emits block_size tokens."""
+    from engine import dflash
+
+    target, tcfg = llama
+    write_drafter(tmp_path / "d", block_size=4)
+    drafter = load_dflash(tmp_path / "d", target, tcfg)
+    prompt = [5, 9, 11, 40, 2, 7]
+    ref = target_greedy(target, prompt, 30)
+    calls = []
+
+    def perfect(self, last_tokens, embed=None, lm_head=None):
+        start = 1 + 4 * len(calls)  # every earlier block was wholly accepted
+        calls.append(start)
+        nxt = (ref + [0] * 8)[start : start + 3]
+        return mx.eye(tcfg["vocab_size"])[mx.array(nxt)][None] * 10
+
+    monkeypatch.setattr(dflash.DFlashState, "block_logits", perfect)
+    out, stats = greedy_reference(target, drafter, prompt, 25)
+    assert out == ref[:25]
+    assert stats["accepted"][:6] == [3] * 6
+
+
 def test_demo_dflash_drafter_is_exact_and_drafts_more_than_one_token_per_pass(capsys):
     """The shipped demo drafter on the demo target: greedy output equals target-only."""
     pair = engine.load_pair(draft=DEMO_DIR / "dflash", calibrate=False)
