@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import report  # noqa: E402
+from queue_overhead import log, start_redis  # noqa: E402
 
 from jobstore.keys import Keys  # noqa: E402
 
@@ -52,40 +52,11 @@ ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
 STUB = ROOT / "benchmarks" / "stub_worker.py"
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n\ndef walk("]
-START = time.monotonic()
-
-
-def log(message: str) -> None:
-    print(f"[{time.monotonic() - START:7.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 def script(name: str) -> str:
     path = BIN / name
     return str(path) if path.exists() else (shutil.which(name) or name)
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-        + ["--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    conn = Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            conn.ping()
-            return proc, url
-        except Exception:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise SystemExit(f"redis-server on port {port} did not start") from None
-            time.sleep(0.05)
 
 
 def write_jobs(path: Path, n: int, prefix: str = "r") -> float:
