@@ -144,6 +144,45 @@ def small_vocab_dflash(tmp_path_factory) -> ModelPair:
     return pair
 
 
+@pytest.fixture(scope="module")
+def hybrid_vocab_dflash(tmp_path_factory) -> ModelPair:
+    """The same test on a hybrid target: qwen3_5 (gated delta-net + full attention),
+    6-token vocabulary, with a DFlash drafter reading both of its layers."""
+    tmp = tmp_path_factory.mktemp("v6hybrid")
+    tok, _ = tokenizer_dir(tmp)
+    target = build_model(
+        tmp / "t",
+        "qwen3_5",
+        vocab_size=VOCAB,
+        tokenizer_from=tok,
+        hidden=16,
+        seed=11,
+        scale=2.0,
+        layers=2,
+    )
+    t_model, config = mlx_lm.utils.load_model(target)
+    mx.random.seed(22)
+    dmodel = DFlashModel(
+        drafter_config(
+            hidden_size=16,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=8,
+            intermediate_size=32,
+            vocab_size=VOCAB,
+            num_target_layers=2,
+            target_layer_ids=(0, 1),
+            block_size=4,
+            mask_token_id=5,
+        )
+    )
+    dmodel.norm.weight = dmodel.norm.weight * 0.1
+    save_dflash(dmodel, tmp / "d")
+    pair = ModelPair(t_model, None, None, str(target), str(tmp / "d"), 512, VOCAB, VOCAB, "h6")
+    pair.dflash = load_dflash(tmp / "d", t_model, config)
+    return pair
+
+
 def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
     """n sequences of LENGTH tokens; block lengths 1..3 mixed; rows join as others end."""
     return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=BLOCKS)
@@ -157,6 +196,26 @@ def test_dflash_sampling_follows_the_target_law(small_vocab_dflash, rows):
     n = N_DRAWS if rows > 1 else N_SINGLE
     counts = draw(small_vocab_dflash, n, seed0=5_000_000 + rows, rows=rows)
     assert chi_square_p(law, counts) > P_FAIL
+
+
+@pytest.mark.slow
+def test_dflash_sampling_on_a_hybrid_target_follows_its_law(hybrid_vocab_dflash):
+    law = chisquare.exact_law(hybrid_vocab_dflash.target, PROMPT, PARAMS, LENGTH, VOCAB)
+    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
+    assert chi_square_p(law, draw(hybrid_vocab_dflash, N_DRAWS, seed0=8_000_000)) > P_FAIL
+    # The single path draws, seed for seed, what the batched path draws.
+    chisquare.single_equals_batched(
+        hybrid_vocab_dflash, N_EQUAL, 9_000_000, PROMPT, PARAMS, LENGTH, setups=BLOCKS
+    )
+
+
+def test_a_broken_recurrent_rollback_fails_the_hybrid_dflash_test(hybrid_vocab_dflash, monkeypatch):
+    from engine import recurrent
+
+    # Mutation: rows keep the recurrent state of their rejected block positions.
+    monkeypatch.setattr(recurrent.RecurrentLayerCache, "_replay", lambda self, c, s, x, n: s)
+    law = chisquare.exact_law(hybrid_vocab_dflash.target, PROMPT, PARAMS, LENGTH, VOCAB)
+    assert chi_square_p(law, draw(hybrid_vocab_dflash, 3_000, seed0=9_500_000)) < P_FAIL
 
 
 def test_dflash_single_requests_draw_what_batched_rows_draw(small_vocab_dflash):
