@@ -182,3 +182,22 @@ def test_memory_arithmetic_is_exact(models):
     params = os.path.getsize(models / "target" / "model.safetensors")
     assert 0.99 * params < size.weights <= params  # fp32 weights: the file minus its header
     assert size.kv_cache == 2 * 2 * 2 * 32 * 512 * 4
+
+
+def test_a_target_without_an_exact_ragged_form_is_named_with_what_still_works(tmp_path):
+    from tiny_families import build_model, tokenizer_dir
+
+    tok, vocab = tokenizer_dir(tmp_path)
+    target = build_model(tmp_path / "falcon", "falcon_h1", vocab_size=vocab, tokenizer_from=tok)
+    res = _doctor("--target", str(target), "--no-bench")
+    assert res.exit_code == 0, res.output
+    line = next(ln for ln in res.stdout.splitlines() if ln.startswith("WARN pair:"))
+    assert "layer 0 keeps its state in a CacheList" in line
+    assert line.endswith(
+        "served with plain decoding only: every request runs as drafter 'none', one row per "
+        "forward pass"
+    )
+    assert "OK   features: drafters none; no batching" in res.stdout
+    res = _doctor("--target", str(target), "--draft", str(target), "--no-bench")
+    assert res.exit_code == 1
+    assert "FAIL model family: target model: model type 'falcon_h1'" in res.stdout

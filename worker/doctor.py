@@ -308,6 +308,13 @@ def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
             f"{d['parameters'] / 1e6:.3g}M parameters, reads target layers "
             f"{', '.join(map(str, d['target_layer_ids']))}",
         ), pair
+    if pair.plain_only:
+        return Check(
+            "WARN",
+            "pair",
+            f"{what}; {pair.plain_only}; it is served with plain decoding only: every "
+            "request runs as drafter 'none', one row per forward pass",
+        ), pair
     if pair.draft is None:
         return Check("OK", "pair", f"{what}, no draft (drafters lookup and none only)"), pair
     return Check(
