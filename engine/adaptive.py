@@ -26,6 +26,7 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 MAX_AUTO_DRAFT = 8
@@ -42,8 +43,9 @@ PROBE_FIRST, PROBE_MAX = 8, 256
 # a step the model over-rates costs real time, one it under-rates costs nothing.
 MARGIN = 0.03
 # The realized-speed guard: once this many plain and speculative steps of one batch size
-# have run, speculation there must have cost no more seconds per emitted token than
-# plain decoding (within MARGIN), or it is stopped until a probe says otherwise.
+# (sizes grouped by powers of two) have run, speculation there must have cost no more
+# wall-clock seconds per emitted token than plain decoding (within MARGIN), or it is
+# stopped until a probe says otherwise.
 GUARD_MIN_STEPS = 8
 GUARD_EMA = 0.1
 # Acceptance of lookup drafts taken inside a model-drafted request (key in the controller).
@@ -262,21 +264,40 @@ class FixedRow:
 
 @dataclass
 class Realized:
-    """Measured seconds per emitted token of the steps of one batch size: those that
-    drafted nothing and those that drafted (exponential moving averages)."""
+    """Measured wall-clock seconds and emitted tokens of the steps of one batch-size
+    class, kept apart for steps that drafted nothing and steps that drafted: running
+    means (equal weights over the first 1 / GUARD_EMA steps, then exponential). Speed
+    is a ratio of means (seconds over tokens), not a mean of per-step ratios, which one
+    slow step that emitted a single token would skew."""
 
-    plain: float = 0.0
-    spec: float = 0.0
+    plain_s: float = 0.0
+    plain_tokens: float = 0.0
+    spec_s: float = 0.0
+    spec_tokens: float = 0.0
     plain_steps: int = 0
     spec_steps: int = 0
 
-    def observe(self, seconds_per_token: float, drafted: bool) -> None:
+    def observe(self, seconds: float, tokens: int, drafted: bool) -> None:
         if drafted:
-            self.spec = _moving(self.spec, seconds_per_token, self.spec_steps)
+            w = _weight(self.spec_steps)
+            self.spec_s += w * (seconds - self.spec_s)
+            self.spec_tokens += w * (tokens - self.spec_tokens)
             self.spec_steps += 1
         else:
-            self.plain = _moving(self.plain, seconds_per_token, self.plain_steps)
+            w = _weight(self.plain_steps)
+            self.plain_s += w * (seconds - self.plain_s)
+            self.plain_tokens += w * (tokens - self.plain_tokens)
             self.plain_steps += 1
+
+    @property
+    def plain(self) -> float:
+        """Seconds per emitted token of the plain steps."""
+        return self.plain_s / self.plain_tokens if self.plain_tokens else 0.0
+
+    @property
+    def spec(self) -> float:
+        """Seconds per emitted token of the drafting steps."""
+        return self.spec_s / self.spec_tokens if self.spec_tokens else 0.0
 
     def speculation_lost(self) -> bool:
         """Whether drafting has measurably cost more per token than plain decoding."""
@@ -287,8 +308,8 @@ class Realized:
         )
 
 
-def _moving(old: float, new: float, seen: int) -> float:
-    return new if seen == 0 else old + GUARD_EMA * (new - old)
+def _weight(seen: int) -> float:
+    return max(GUARD_EMA, 1.0 / (seen + 1))
 
 
 @dataclass
@@ -311,7 +332,8 @@ class DraftController:
     calibrated: bool = True  # curves in seconds (else decode-step units)
     live_target: dict = field(default_factory=dict)  # (rows, width) -> measured / curve
     live_draft: dict = field(default_factory=dict)  # rows -> measured / curve, one pass
-    realized: dict = field(default_factory=dict)  # rows -> Realized: the guard's evidence
+    realized: dict = field(default_factory=dict)  # size class -> Realized: the guard's evidence
+    probe_rows: int = 0  # batch size of the last probe
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
@@ -400,17 +422,31 @@ class DraftController:
             cost += (1 if self.block else depth) * self._draft_pass(drafted_rows)
         return cost
 
-    def _rate(self, auto, fixed, k, rows, drafted_rows, perfect=False) -> float:
-        tokens = sum(expected_tokens(f.acceptance, f.k) for f in fixed)
-        depth = max((f.k for f in fixed if f.model), default=0)
-        width = max((f.k for f in fixed), default=0)
-        for r in auto:
-            kk = min(k, r.cap)
-            tokens += expected_tokens(1.0 if perfect else r.acceptance, kk)
-            width = max(width, kk)
-            if not r.free:
-                depth = max(depth, kk)
-        return tokens / self.step_seconds(rows, width + 1, depth, drafted_rows)
+    def _rates(self, auto, fixed, k_max, rows, drafted_rows) -> tuple[np.ndarray, np.ndarray]:
+        """Expected tokens per second of the whole step for K = 0..k_max, at the rows'
+        acceptance and at perfect acceptance: one array pass over the rows, a step-cost
+        lookup per K (this runs every step, over up to hundreds of rows)."""
+        ks = np.arange(k_max + 1)
+        a = np.array([r.acceptance for r in auto], dtype=np.float64)
+        kk = np.minimum(ks[:, None], np.array([r.cap for r in auto])[None, :])
+        # E(K) = (1 - a^(K+1)) / (1 - a), and K + 1 where a = 1.
+        sure = a >= 1.0
+        safe = np.where(sure, 0.5, a)
+        expected = np.where(sure, kk + 1.0, (1.0 - safe ** (kk + 1)) / (1.0 - safe))
+        base_tokens = sum(expected_tokens(f.acceptance, f.k) for f in fixed)
+        tokens = base_tokens + expected.sum(axis=1)
+        perfect = base_tokens + (kk + 1.0).sum(axis=1)
+        width = np.maximum(max((f.k for f in fixed), default=0), kk.max(axis=1))
+        paid = np.array([not r.free for r in auto])
+        drafted = np.where(paid[None, :], kk, 0).max(axis=1)
+        depth = np.maximum(max((f.k for f in fixed if f.model), default=0), drafted)
+        seconds = np.array(
+            [
+                self.step_seconds(rows, int(w) + 1, int(d), drafted_rows)
+                for w, d in zip(width, depth, strict=True)
+            ]
+        )
+        return tokens / seconds, perfect / seconds
 
     def choose_batch_k(self, auto: list[AutoRow], fixed: list[FixedRow], drafted_rows: int) -> int:
         """One draft length for every greedy "auto" row of a step (each capped by its
@@ -422,50 +458,55 @@ class DraftController:
         k_max = max(r.cap for r in auto)
         if k_max == 0:
             return 0
-        base = self._rate(auto, fixed, 0, rows, drafted_rows)
-        bar = base * (1 + MARGIN)
-        # The common saturated case first, cheaply: if even perfect acceptance cannot pay
-        # at either end of the range, plain decoding it is (and no probe).
-        ends = {1, k_max}
-        if all(self._rate(auto, fixed, k, rows, drafted_rows, perfect=True) <= bar for k in ends):
-            if k_max <= 2 or not self._could_pay(auto, fixed, rows, drafted_rows, bar, k_max):
-                return 0
-        rates = {k: self._rate(auto, fixed, k, rows, drafted_rows) for k in range(1, k_max + 1)}
-        best = max(rates, key=lambda k: (rates[k], -k))
-        realized = self.realized.get(rows)
-        lost = realized is not None and realized.speculation_lost()
-        if rates[best] > base * (1 + MARGIN) and not lost:
+        rates, ceilings = self._rates(auto, fixed, k_max, rows, drafted_rows)
+        bar = rates[0] * (1 + MARGIN)
+        # If even perfect acceptance cannot pay at any K (a saturated device: batching
+        # and speculation compete for the same compute), plain decoding, and no probe.
+        if ceilings[1:].max() <= bar:
+            return 0
+        # The best K; the shorter one on a tie.
+        best = int(np.argmax(rates[1:])) + 1
+        if rates[best] > bar and not self.speculation_lost(rows):
             self.steps_since_probe = 0
             return best
-        # Speculation does not pay at today's acceptance. If it could not pay even if
-        # every draft were accepted, never probe this shape; else probe now and then
-        # so acceptance stays measured, less often after each failed probe.
-        ceiling = max(
-            self._rate(auto, fixed, k, rows, drafted_rows, perfect=True)
-            for k in range(1, k_max + 1)
-        )
-        if ceiling <= base * (1 + MARGIN):
-            return 0
+        # Speculation does not pay at today's acceptance (or the guard stopped it):
+        # probe now and then so acceptance stays measured, less often after each
+        # failed probe.
         self.steps_since_probe += 1
         if self.steps_since_probe >= self.probe_interval:
             self.steps_since_probe = 0
             self.probing = True
+            self.probe_rows = rows
             return 1
         return 0
 
-    def _could_pay(self, auto, fixed, rows, drafted_rows, bar, k_max) -> bool:
-        # Between the ends, sampled on a coarse grid (costs are near-linear in K).
-        return any(
-            self._rate(auto, fixed, k, rows, drafted_rows, perfect=True) > bar
-            for k in range(2, k_max, 2)
-        )
-
     def probe_result(self, proposed: int, accepted: int) -> None:
-        """After a probe step: all accepted resets the interval, else it doubles."""
-        if proposed and accepted == proposed:
+        """After a probe step: all accepted resets the interval, else it doubles. Where
+        the guard has stopped speculation, accepted drafts do not show it pays, so the
+        interval doubles either way."""
+        if proposed and accepted == proposed and not self.speculation_lost(self.probe_rows):
             self.probe_interval = PROBE_FIRST
         else:
             self.probe_interval = min(self.probe_interval * 2, PROBE_MAX)
+
+    @staticmethod
+    def size_class(rows: int) -> int:
+        """The guard's batch-size group: 1, 2-3, 4-7, 8-15, 16-31, ..."""
+        return rows.bit_length()
+
+    def speculation_lost(self, rows: int) -> bool:
+        realized = self.realized.get(self.size_class(rows))
+        return realized is not None and realized.speculation_lost()
+
+    def observe_realized(self, rows: int, seconds: float, emitted: int, drafted: bool) -> None:
+        """Feed the realized-speed guard one whole step: its wall-clock seconds (choosing,
+        drafting, verifying, bookkeeping), the tokens it emitted over every row, and
+        whether it drafted. Whatever the cost model predicts, speculation that measurably
+        cost more per token than plain decoding at this batch size stops until a probe
+        pays."""
+        if emitted and seconds > 0:
+            group = self.realized.setdefault(self.size_class(rows), Realized())
+            group.observe(seconds, emitted, drafted)
 
     def observe_step(
         self,
@@ -475,18 +516,10 @@ class DraftController:
         depth: int,
         drafted_rows: int,
         draft_s: float,
-        emitted: int = 0,
     ) -> None:
         """Fold one measured step into the live costs: the curves' load factors, and the
         seconds of this exact shape (a batch pass is not priced well by a one-row curve:
-        per-row overheads make a draft pass over many rows cost about a target pass).
-        `emitted` (tokens the step put out, every row) feeds the realized-speed guard:
-        whatever the cost model says, speculation that measurably cost more per token
-        than plain decoding at this batch size stops until a probe pays."""
-        if emitted:
-            self.realized.setdefault(rows, Realized()).observe(
-                (verify_s + draft_s) / emitted, drafted=width > 1
-            )
+        per-row overheads make a draft pass over many rows cost about a target pass)."""
         self.target.observe(rows * width, verify_s)
         _ema(self.live_target, (rows, width), verify_s / self.target._curve(rows * width))
         if depth and drafted_rows and self.draft is not None and draft_s > 0:

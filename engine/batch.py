@@ -220,7 +220,9 @@ class BatchDecoder:
     # -- one step ------------------------------------------------------------------
     def step(self) -> dict:
         """One draft + verify step for every row: {row key: Step}."""
-        if self._joining:
+        start = time.perf_counter()
+        joined = bool(self._joining)
+        if joined:
             self._admit_joining()
         # The target never rolls back past this step (advance keeps only what passed), so
         # recurrent layers may forget the passes before it.
@@ -252,6 +254,11 @@ class BatchDecoder:
         for rows in (self.t_rows, getattr(self.proposer, "rows", None)):
             if rows is not None and rows.waste() > COMPACT_WASTE:
                 rows.compact()
+        if self.controller is not None and not joined:
+            # A step that admitted rows also ran their prefill: not a fair sample.
+            emitted = sum(1 + n for n, _ in results)
+            seconds = time.perf_counter() - start
+            self.controller.observe_realized(len(self.rows), seconds, emitted, width > 1)
         return steps
 
     def _draft(self, choices: list[_Choice]) -> tuple[list[list[int]], dict]:
@@ -349,10 +356,7 @@ class BatchDecoder:
             self.controller.probe_result(*probe)
         depth = self.proposer.depth_run if self.proposer is not None else 0
         members = len(self.proposer.members) if self.proposer is not None else 0
-        emitted = sum(1 + n for n, _ in results)
-        self.controller.observe_step(
-            len(self.rows), width, verify_s, depth, members, draft_s, emitted
-        )
+        self.controller.observe_step(len(self.rows), width, verify_s, depth, members, draft_s)
 
     # -- inspection (tests, statistics) ------------------------------------------------
     def cache_lengths(self, key) -> tuple[int, int | None]:

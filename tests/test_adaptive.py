@@ -4,6 +4,7 @@ at a batch size is stopped there (probes aside), and allowed again once it pays.
 
 from __future__ import annotations
 
+import engine
 from engine.adaptive import (
     GUARD_MIN_STEPS,
     AutoRow,
@@ -41,8 +42,8 @@ def test_speculation_that_cost_more_per_token_is_stopped_at_that_batch_size():
     ctl = _controller()
     for _ in range(GUARD_MIN_STEPS):
         # 4 rows: a plain step emits 4 tokens in 10 ms; a drafting step 6 tokens in 40 ms.
-        ctl.observe_step(4, 1, 0.010, 0, 4, 0.0, emitted=4)
-        ctl.observe_step(4, 4, 0.030, 3, 4, 0.010, emitted=6)
+        ctl.observe_realized(4, 0.010, 4, drafted=False)
+        ctl.observe_realized(4, 0.040, 6, drafted=True)
     got = _choices(ctl, 4, steps=64)
     assert got.count(0) >= 60 and max(got) <= 1  # plain, with the odd one-token probe
     assert set(_choices(ctl, 8)) != {0}  # another batch size has its own evidence
@@ -51,13 +52,53 @@ def test_speculation_that_cost_more_per_token_is_stopped_at_that_batch_size():
 def test_speculation_that_pays_per_token_goes_on_and_a_lost_size_recovers():
     ctl = _controller()
     for _ in range(GUARD_MIN_STEPS):
-        ctl.observe_step(4, 1, 0.010, 0, 4, 0.0, emitted=4)
-        ctl.observe_step(4, 4, 0.012, 3, 4, 0.003, emitted=12)
+        ctl.observe_realized(4, 0.010, 4, drafted=False)
+        ctl.observe_realized(4, 0.015, 12, drafted=True)
     assert _choices(ctl, 4).count(0) == 0
     # Then drafting goes wrong (a shift in the workload), then right again.
     for _ in range(40):
-        ctl.observe_step(4, 4, 0.040, 3, 4, 0.010, emitted=5)
+        ctl.observe_realized(4, 0.050, 5, drafted=True)
     assert set(_choices(ctl, 4, steps=8)) <= {0, 1}
     for _ in range(60):
-        ctl.observe_step(4, 2, 0.011, 1, 4, 0.001, emitted=8)
+        ctl.observe_realized(4, 0.012, 8, drafted=True)
     assert _choices(ctl, 4).count(0) == 0
+
+
+def test_where_speculation_lost_even_accepted_probes_come_less_and_less_often():
+    ctl = _controller()
+    for _ in range(GUARD_MIN_STEPS):
+        ctl.observe_realized(4, 0.010, 4, drafted=False)
+        ctl.observe_realized(4, 0.040, 6, drafted=True)
+    probes = 0
+    for _ in range(600):
+        k = ctl.choose_batch_k(_rows(4), [], 4)
+        if ctl.probing:
+            probes += 1
+            ctl.probe_result(1, 1)  # the draft was right, but drafting still costs more
+    assert 0 < probes <= 7  # intervals 8, 16, ..., 256 (a reset to 8 would make ~75)
+    assert k == 0
+
+
+def test_sizes_share_the_guard_within_a_power_of_two():
+    ctl = _controller()
+    for _ in range(GUARD_MIN_STEPS):
+        ctl.observe_realized(16, 0.010, 16, drafted=False)
+        ctl.observe_realized(17, 0.060, 30, drafted=True)
+    assert ctl.speculation_lost(31) and ctl.speculation_lost(16)
+    assert not ctl.speculation_lost(15) and not ctl.speculation_lost(32)
+
+
+def test_decoding_steps_feed_the_guard_with_wall_clock_time():
+    demo_pair = engine.load_pair(calibrate=False)
+    ctl = demo_pair.controller
+    before = {k: (r.plain_steps, r.spec_steps) for k, r in ctl.realized.items()}
+    requests = [
+        engine.GenerationRequest(prompt_ids=[5 + i, 9, 11], max_tokens=6, drafter="none")
+        for i in range(4)
+    ]
+    list(engine.generate_many(demo_pair, requests, max_batch=4))
+    group = ctl.realized[DraftController.size_class(4)]
+    plain_before = before.get(DraftController.size_class(4), (0, 0))[0]
+    # 6 tokens a row: the first step admits the rows (not counted), five more each emit 4.
+    assert group.plain_steps - plain_before == 5
+    assert group.plain > 0
