@@ -422,10 +422,25 @@ class DraftController:
             cost += (1 if self.block else depth) * self._draft_pass(drafted_rows)
         return cost
 
-    def _rates(self, auto, fixed, k_max, rows, drafted_rows) -> tuple[np.ndarray, np.ndarray]:
+    def warm_seconds(self, positions: int) -> float:
+        """Predicted seconds for the draft model to read `positions` tokens of rows it
+        has not read yet (cold rows, prefilled the first time they draft)."""
+        if not positions or self.draft is None or self.block:
+            return 0.0
+        # The draft's one-position pass, grown the way the target's pass grows with
+        # positions (its curve is measured much further out than the draft's).
+        return self._draft_pass(1) * self.target._curve(positions) / self.target._curve(1)
+
+    def _rates(
+        self, auto, fixed, k_max, rows, drafted_rows, warm=(0, 1.0)
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Expected tokens per second of the whole step for K = 0..k_max, at the rows'
         acceptance and at perfect acceptance: one array pass over the rows, a step-cost
-        lookup per K (this runs every step, over up to hundreds of rows)."""
+        lookup per K (this runs every step, over up to hundreds of rows).
+
+        `warm` = (positions, horizon): drafting would first have the draft model read
+        `positions` tokens of cold rows, which have about `horizon` tokens each left to
+        generate; that one-time cost is spread over the steps they take at each K."""
         ks = np.arange(k_max + 1)
         a = np.array([r.acceptance for r in auto], dtype=np.float64)
         kk = np.minimum(ks[:, None], np.array([r.cap for r in auto])[None, :])
@@ -446,11 +461,20 @@ class DraftController:
                 for w, d in zip(width, depth, strict=True)
             ]
         )
+        positions, horizon = warm
+        if positions:
+            # Steps the cold rows have left at each K's pace: horizon / (tokens per row-step).
+            share = np.where(depth > 0, (tokens / rows) / max(horizon, 1.0), 0.0)
+            seconds = seconds + self.warm_seconds(positions) * np.minimum(share, 1.0)
         return tokens / seconds, perfect / seconds
 
-    def choose_batch_k(self, auto: list[AutoRow], fixed: list[FixedRow], drafted_rows: int) -> int:
+    def choose_batch_k(
+        self, auto: list[AutoRow], fixed: list[FixedRow], drafted_rows: int, warm=(0, 1.0)
+    ) -> int:
         """One draft length for every greedy "auto" row of a step (each capped by its
-        own `cap`): the most expected tokens per second for the whole batch."""
+        own `cap`): the most expected tokens per second for the whole batch, the draft
+        model's first read of cold rows (`warm`, see `_rates`) included. A probe
+        (`probing` set) asks for one draft: the decoder gives it to one row only."""
         self.probing = False
         if not auto:
             return 0
@@ -458,7 +482,7 @@ class DraftController:
         k_max = max(r.cap for r in auto)
         if k_max == 0:
             return 0
-        rates, ceilings = self._rates(auto, fixed, k_max, rows, drafted_rows)
+        rates, ceilings = self._rates(auto, fixed, k_max, rows, drafted_rows, warm)
         bar = rates[0] * (1 + MARGIN)
         # If even perfect acceptance cannot pay at any K (a saturated device: batching
         # and speculation compete for the same compute), plain decoding, and no probe.

@@ -182,7 +182,7 @@ class BatchDecoder:
                     auto.append(
                         AutoRow(row.plan.acceptance.rate, min(budget, MAX_AUTO_DRAFT), False)
                     )
-                auto_rows.append(c)
+                auto_rows.append((row, c))
                 continue
             k = row.fixed_k if row.fixed_k is not None else row.plan.choose()
             k = min(k, budget, self._model_cap(fixed=True) if row.drafter == "model" else k)
@@ -194,14 +194,47 @@ class BatchDecoder:
             rate = row.plan.acceptance.rate if row.plan is not None else 0.6
             fixed.append(FixedRow(c.k, rate, row.drafter == "model"))
         if auto:
-            k = self.controller.choose_batch_k(auto, fixed, drafted_rows)
-            for c, a in zip(auto_rows, auto, strict=True):
-                c.k = min(k, a.cap)
+            k = self.controller.choose_batch_k(
+                auto, fixed, drafted_rows, self._cold_cost(auto_rows)
+            )
+            probe = self._probe_row(auto_rows) if self.controller.probing else None
+            for (_, c), a in zip(auto_rows, auto, strict=True):
+                # A probe measures acceptance: one row's draft tells it, and costs the
+                # draft model at most one cold row's first read.
+                c.k = min(k, a.cap) if probe is None or c is probe else 0
                 if c.source == "lookup":
                     c.tokens = c.tokens[: c.k]
                 if c.k == 0:
                     c.source, c.tokens = "none", None
         return choices
+
+    def _cold_cost(self, auto_rows: list[tuple[_Row, _Choice]]) -> tuple[int, float]:
+        """(tokens the draft model has not read of the greedy "auto" rows it would
+        draft for, their mean tokens left to generate): what drafting now would first
+        cost the draft model, and over how much output that cost is spread."""
+        cold = getattr(self.proposer, "cold", None)
+        if not cold:
+            return 0, 1.0
+        waking = [
+            (len(cold[r.key][0]), r.max_tokens - r.generated)
+            for r, c in auto_rows
+            if r.key in cold and c.source == "model"
+        ]
+        if not waking:
+            return 0, 1.0
+        return sum(n for n, _ in waking), sum(left for _, left in waking) / len(waking)
+
+    def _probe_row(self, auto_rows: list[tuple[_Row, _Choice]]) -> _Choice | None:
+        """The row a probe drafts for: one the draft model has read already, else the
+        cold one with the shortest text (the cheapest first read)."""
+        candidates = [(r, c) for r, c in auto_rows if c.source == "model"] or auto_rows
+        if not candidates:
+            return None
+        cold = getattr(self.proposer, "cold", {})
+        row, choice = min(
+            candidates, key=lambda rc: len(cold[rc[0].key][0]) if rc[0].key in cold else -1
+        )
+        return choice
 
     def _model_cap(self, fixed: bool = False) -> int:
         """Most drafts the worker's draft can give a row in one step."""

@@ -102,3 +102,46 @@ def test_decoding_steps_feed_the_guard_with_wall_clock_time():
     # 6 tokens a row: the first step admits the rows (not counted), five more each emit 4.
     assert group.plain_steps - plain_before == 5
     assert group.plain > 0
+
+
+def test_waking_cold_rows_is_priced_over_the_tokens_they_have_left():
+    ctl = _controller()
+    ctl.draft = PassCosts({1: 0.2, 16: 0.4})
+    rows = _rows(4, acceptance=0.8)
+    assert ctl.choose_batch_k(rows, [], 4) > 0
+    # The draft model would first read 4 rows of 5,000 tokens: worth it for rows with
+    # 50,000 tokens to go, not for rows with 3 (then plain decoding, or a probe at most).
+    assert ctl.choose_batch_k(rows, [], 4, warm=(20_000, 50_000.0)) > 0
+    got = [ctl.choose_batch_k(rows, [], 4, warm=(20_000, 3.0)) for _ in range(40)]
+    assert got.count(0) >= 35
+
+
+def test_a_probe_drafts_for_one_row_and_wakes_no_other(monkeypatch):
+    pair = engine.load_pair(calibrate=False)
+    ctl = pair.controller
+
+    def probe_always(auto, fixed, drafted_rows, warm=(0, 1.0)):
+        ctl.probing, ctl.probe_rows = True, len(auto) + len(fixed)
+        return 1
+
+    monkeypatch.setattr(ctl, "choose_batch_k", probe_always)
+    from engine.batch import BatchDecoder
+    from engine.sampling import SamplingParams
+
+    dec = BatchDecoder(pair)
+    for i in range(4):
+        dec.add(
+            i,
+            list(range(20 * i + 3, 20 * i + 8 + 3 * i)),  # no repeats; row 0's is shortest
+            SamplingParams(0.0),
+            seed=0,
+            drafter="model",
+            num_draft_tokens="auto",
+            max_tokens=8,
+            plan=ctl.plan("model", greedy=True),
+        )
+    steps = dec.step()
+    assert [steps[i].proposed for i in range(4)] == [1, 0, 0, 0]
+    assert sorted(dec.proposer.cold) == [1, 2, 3]  # the others were never read
+    steps = dec.step()
+    assert [steps[i].proposed for i in range(4)] == [1, 0, 0, 0]  # the warm row again
