@@ -3,6 +3,7 @@
     python benchmarks/batched_auto.py                 # demo, widened and random-draft pairs
     python benchmarks/batched_auto.py --quick         # small and short, for a smoke run
     python benchmarks/batched_auto.py --pairs demo --sizes 1,4
+    python benchmarks/batched_auto.py --control       # plain against plain: the noise floor
 
 For each pair and batch size, `engine.generate_many` runs the same greedy requests
 with drafter "none" and with drafter "model" + num_draft_tokens "auto", back to back
@@ -77,6 +78,11 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--params", type=int, default=100_000_000, help="widened target size")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--control",
+        action="store_true",
+        help="A/A run: the 'auto' side decodes plainly too, so its ratios show the noise floor",
+    )
     ap.add_argument("--cache", type=Path, default=pairs.CACHE)
     args = ap.parse_args(argv)
     if args.quick:
@@ -96,7 +102,8 @@ def main(argv=None) -> int:
         else:
             raise SystemExit(f"batched_auto: unknown pair {name!r} (demo, widened, random)")
     prompts = [ids for _, ids in prompt_sets.code_prompts(demo.tokenizer, max(sizes), 48)]
-    print(f"# batched auto vs batched plain; {args.max_tokens} new tokens; {demo.info()['blas']}")
+    what = "plain vs plain (control)" if args.control else "auto vs batched plain"
+    print(f"# batched {what}; {args.max_tokens} new tokens; {demo.info()['blas']}")
     print(
         "| pair | batch | plain tok/s | auto tok/s | auto / plain (median) | drafts per row-step |"
     )
@@ -109,7 +116,10 @@ def main(argv=None) -> int:
             ratios, plain_r, auto_r, drafts = [], [], [], []
             for p in range(args.passes):
                 order = ("none", "model") if p % 2 == 0 else ("model", "none")
-                got = {d: run(pair, ids_list, b, d, args.max_tokens) for d in order}
+                got = {
+                    d: run(pair, ids_list, b, "none" if args.control else d, args.max_tokens)
+                    for d in order
+                }
                 plain_r.append(got["none"][0])
                 auto_r.append(got["model"][0])
                 drafts.append(got["model"][1])

@@ -7,10 +7,20 @@ from __future__ import annotations
 import signal
 import time
 
+from conftest import PAIR_ARGS
+from rq import Queue
 from rq.job import Job
 from rq.registry import StartedJobRegistry
-from test_faults import _running, _wait_until
-from test_queue import LONG, _collect, _wait_running, read_jsonl, set_line_timeout, write_jobs
+from test_faults import _check_once_each, _done, _running, _wait_until
+from test_queue import (
+    LONG,
+    _collect,
+    _wait_running,
+    mixed_lines,
+    read_jsonl,
+    set_line_timeout,
+    write_jobs,
+)
 
 from jobstore.keys import job_id
 
@@ -114,3 +124,28 @@ def test_a_job_past_its_timeout_is_stopped_and_becomes_a_timeout_line(
         ("quick", None),
     ]
     assert lines[0]["error"]["message"] == "did not finish within 1 s (3 attempts)"
+
+
+def test_a_job_taken_by_a_worker_that_died_before_starting_it_still_runs(
+    redis_env, start_worker, tmp_path
+):
+    # RQ takes a job in steps: off the queue into an intermediate list, registered as
+    # running, marked started. A worker killed between them (a test above once caught
+    # that window) leaves the job in the list, "queued", in no registry.
+    redis_env.env.update(HEARTBEAT)
+    lines = mixed_lines(3)
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    queue = Queue(redis_env.keys.queue_name("demo"), connection=redis_env.conn)
+    taken = redis_env.conn.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
+    assert taken is not None and queue.count == 2
+    worker = start_worker(*PAIR_ARGS)
+    _wait_until(lambda: _done(redis_env, batch) == len(lines), 120, "every line answered")
+    worker.stop()
+    results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert _check_once_each(results, [x["custom_id"] for x in lines]) == (0, 0)
+    # Answered, not failed (RQ's own sweep, ten minutes on, would fail it as "stuck").
+    assert [r["error"] for r in results] == [None] * len(lines)
+    assert "died before starting it: put back" in worker.log
+    assert redis_env.conn.llen(queue.intermediate_queue_key) == 0

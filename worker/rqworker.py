@@ -59,6 +59,17 @@ __all__ = ["ColdShutdown", "SafeJob", "SpecWorker", "vet"]
 log = logging.getLogger("specfleet.worker")
 
 
+# Move a job id from a queue's intermediate list back to the front of the queue, only
+# if it is still in that list (another worker's rescue, or RQ's own sweep, may have won).
+_RESCUE_LUA = """
+if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+    redis.call('LPUSH', KEYS[2], ARGV[1])
+    return 1
+end
+return 0
+"""
+
+
 class _NoDeathPenalty(BaseDeathPenalty):
     """No time limit: the reaper's only callback is our own short Redis write, and
     RQ's SIGALRM-based limit cannot be armed outside the main thread."""
@@ -90,9 +101,11 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
         self.cold_signum: int | None = None
         self.stopping = False  # a stop signal has arrived
         self._last_reap = 0.0
+        self._stranded_seen: dict[str, dict[str, float]] = {}  # queue -> job id -> first seen
         self._last_seen_at = 0.0
         self.jobs_left: int | None = None  # --max-jobs budget, counted in lines
         super().__init__(*args, **kwargs)
+        self._rescue = self.connection.register_script(_RESCUE_LUA)
 
     def work(self, *args, max_jobs: int | None = None, **kwargs) -> bool:
         # RQ counts jobs; --max-jobs counts lines, here.
@@ -224,17 +237,55 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
             if not self.connection.set(lock, self.name, nx=True, px=hold_ms):
                 continue
             try:
-                StartedJobRegistry(
+                registry = StartedJobRegistry(
                     queue.name,
                     connection=self.connection,
                     job_class=SafeJob,
                     serializer=self.serializer,
                     death_penalty_class=_NoDeathPenalty,
-                ).cleanup()
+                )
+                registry.cleanup()
+                self._rescue_stranded(queue, registry)
             except Exception as exc:
                 log.warning("reaper on %s failed: %s", queue.name, exc)
             finally:
                 self.connection.delete(lock)
+
+    def _rescue_stranded(self, queue, registry: StartedJobRegistry) -> None:
+        """Put back jobs a worker took off the queue but died before starting.
+
+        RQ moves a job being taken into the queue's intermediate list, then registers
+        its execution, then marks it started. A worker killed between those steps leaves
+        the job in the intermediate list, still "queued": the started registry's clean-up
+        drops its expired entry without re-queuing it (the job was never started), and
+        RQ's own sweep of the list runs only every maintenance interval (10 minutes).
+        A live worker moves a job through in milliseconds, so a job seen there, outside
+        the started registry, for longer than a heartbeat TTL is stranded: it goes back
+        to the front of its queue (atomically: only if it is still in the list)."""
+        now = time.monotonic()
+        ids = [
+            i.decode() if isinstance(i, bytes) else i
+            for i in self.connection.lrange(queue.intermediate_queue_key, 0, -1)
+        ]
+        seen = self._stranded_seen.setdefault(queue.name, {})
+        for job_id in list(seen):
+            if job_id not in ids:
+                del seen[job_id]
+        for job_id in ids:
+            if job_id in registry:
+                seen.pop(job_id, None)
+                continue
+            first = seen.setdefault(job_id, now)
+            if now - first < self.heartbeat_ttl:
+                continue
+            del seen[job_id]
+            if self._rescue(keys=[queue.intermediate_queue_key, queue.key], args=[job_id]):
+                log.warning(
+                    "job %s was taken off queue %s by a worker that died before starting "
+                    "it: put back",
+                    job_id,
+                    queue.name,
+                )
 
     @property
     def dequeue_timeout(self) -> int:
