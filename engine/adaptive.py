@@ -263,41 +263,55 @@ class FixedRow:
 
 
 @dataclass
+class _RunningMean:
+    """Running means of seconds and emitted tokens over steps: equal weights over the
+    first 1 / GUARD_EMA steps, then exponential."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    steps: int = 0
+
+    def observe(self, seconds: float, tokens: int) -> None:
+        w = max(GUARD_EMA, 1.0 / (self.steps + 1))
+        self.seconds += w * (seconds - self.seconds)
+        self.tokens += w * (tokens - self.tokens)
+        self.steps += 1
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens else 0.0
+
+
+@dataclass
 class Realized:
     """Measured wall-clock seconds and emitted tokens of the steps of one batch-size
-    class, kept apart for steps that drafted nothing and steps that drafted: running
-    means (equal weights over the first 1 / GUARD_EMA steps, then exponential). Speed
-    is a ratio of means (seconds over tokens), not a mean of per-step ratios, which one
-    slow step that emitted a single token would skew."""
+    class, kept apart for steps that drafted nothing and steps that drafted. Speed is a
+    ratio of means (seconds over tokens), not a mean of per-step ratios, which one slow
+    step that emitted a single token would skew."""
 
-    plain_s: float = 0.0
-    plain_tokens: float = 0.0
-    spec_s: float = 0.0
-    spec_tokens: float = 0.0
-    plain_steps: int = 0
-    spec_steps: int = 0
+    plain_mean: _RunningMean = field(default_factory=_RunningMean)
+    spec_mean: _RunningMean = field(default_factory=_RunningMean)
 
     def observe(self, seconds: float, tokens: int, drafted: bool) -> None:
-        if drafted:
-            w = _weight(self.spec_steps)
-            self.spec_s += w * (seconds - self.spec_s)
-            self.spec_tokens += w * (tokens - self.spec_tokens)
-            self.spec_steps += 1
-        else:
-            w = _weight(self.plain_steps)
-            self.plain_s += w * (seconds - self.plain_s)
-            self.plain_tokens += w * (tokens - self.plain_tokens)
-            self.plain_steps += 1
+        (self.spec_mean if drafted else self.plain_mean).observe(seconds, tokens)
 
     @property
     def plain(self) -> float:
         """Seconds per emitted token of the plain steps."""
-        return self.plain_s / self.plain_tokens if self.plain_tokens else 0.0
+        return self.plain_mean.per_token
 
     @property
     def spec(self) -> float:
         """Seconds per emitted token of the drafting steps."""
-        return self.spec_s / self.spec_tokens if self.spec_tokens else 0.0
+        return self.spec_mean.per_token
+
+    @property
+    def plain_steps(self) -> int:
+        return self.plain_mean.steps
+
+    @property
+    def spec_steps(self) -> int:
+        return self.spec_mean.steps
 
     def speculation_lost(self) -> bool:
         """Whether drafting has measurably cost more per token than plain decoding."""
@@ -306,10 +320,6 @@ class Realized:
             and self.spec_steps >= GUARD_MIN_STEPS
             and self.spec > self.plain * (1 + MARGIN)
         )
-
-
-def _weight(seen: int) -> float:
-    return max(GUARD_EMA, 1.0 / (seen + 1))
 
 
 @dataclass

@@ -115,12 +115,11 @@ def test_a_hybrid_qwen3_5_target_with_a_dflash_drafter_is_exact(tmp_path):
 
 
 # -- the sampling law --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def small_vocab_dflash(tmp_path_factory) -> ModelPair:
-    tmp = tmp_path_factory.mktemp("v6dflash")
-    target = build_llama(tmp / "t", vocab_size=VOCAB, hidden=16, layers=1, seed=11, scale=6.0)
+def _v6_pair(tmp, target, name: str, seed: int, layers: int) -> ModelPair:
+    """A 6-token target and a DFlash drafter with random weights reading its first
+    `layers` layers."""
     t_model, config = mlx_lm.utils.load_model(target)
-    mx.random.seed(21)
+    mx.random.seed(seed)
     dmodel = DFlashModel(
         drafter_config(
             hidden_size=16,
@@ -129,8 +128,8 @@ def small_vocab_dflash(tmp_path_factory) -> ModelPair:
             head_dim=8,
             intermediate_size=32,
             vocab_size=VOCAB,
-            num_target_layers=1,
-            target_layer_ids=(0,),
+            num_target_layers=layers,
+            target_layer_ids=tuple(range(layers)),
             block_size=4,
             mask_token_id=5,
         )
@@ -139,9 +138,16 @@ def small_vocab_dflash(tmp_path_factory) -> ModelPair:
     # out (far from one-hot), so a wrong q shows in the statistics.
     dmodel.norm.weight = dmodel.norm.weight * 0.1
     save_dflash(dmodel, tmp / "d")
-    pair = ModelPair(t_model, None, None, str(target), str(tmp / "d"), 512, VOCAB, VOCAB, "v6")
+    pair = ModelPair(t_model, None, None, str(target), str(tmp / "d"), 512, VOCAB, VOCAB, name)
     pair.dflash = load_dflash(tmp / "d", t_model, config)
     return pair
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dflash(tmp_path_factory) -> ModelPair:
+    tmp = tmp_path_factory.mktemp("v6dflash")
+    target = build_llama(tmp / "t", vocab_size=VOCAB, hidden=16, layers=1, seed=11, scale=6.0)
+    return _v6_pair(tmp, target, "v6", seed=21, layers=1)
 
 
 @pytest.fixture(scope="module")
@@ -160,27 +166,7 @@ def hybrid_vocab_dflash(tmp_path_factory) -> ModelPair:
         scale=2.0,
         layers=2,
     )
-    t_model, config = mlx_lm.utils.load_model(target)
-    mx.random.seed(22)
-    dmodel = DFlashModel(
-        drafter_config(
-            hidden_size=16,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            num_target_layers=2,
-            target_layer_ids=(0, 1),
-            block_size=4,
-            mask_token_id=5,
-        )
-    )
-    dmodel.norm.weight = dmodel.norm.weight * 0.1
-    save_dflash(dmodel, tmp / "d")
-    pair = ModelPair(t_model, None, None, str(target), str(tmp / "d"), 512, VOCAB, VOCAB, "h6")
-    pair.dflash = load_dflash(tmp / "d", t_model, config)
-    return pair
+    return _v6_pair(tmp, target, "h6", seed=22, layers=2)
 
 
 def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
