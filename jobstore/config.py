@@ -104,6 +104,13 @@ MAX_LINE_BYTES = 8 * 1024 * 1024
 #: How often `spec-submit --wait` polls the batch status, in seconds.
 WAIT_POLL_S = 1.0
 
+#: spec-serve (the OpenAI Batch API): where uploaded files are kept, the port it listens
+#: on, the largest upload and the largest JSON request body it accepts, in bytes.
+SERVE_DATA_DIR = "spec-serve-data"
+SERVE_PORT = 8000
+SERVE_MAX_UPLOAD_BYTES = 512 * 1024 * 1024
+SERVE_MAX_BODY_BYTES = 1024 * 1024
+
 #: Alias and batch ids are used in Redis keys and RQ job ids: keep them plain.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -198,3 +205,19 @@ def job_timeout_s(max_tokens: int, prompt_chars: int) -> int:
         + JOB_TIMEOUT_PER_TOKEN_S * max_tokens
         + JOB_TIMEOUT_PER_PROMPT_CHAR_S * prompt_chars
     )
+
+
+def serve_data_dir(explicit: str | None = None) -> Path:
+    """spec-serve's data directory: the explicit one, else SPEC_SERVE_DATA_DIR, else
+    SERVE_DATA_DIR (relative to the working directory)."""
+    return Path(explicit or os.environ.get("SPEC_SERVE_DATA_DIR") or SERVE_DATA_DIR)
+
+
+def serve_api_key() -> str | None:
+    """The API key spec-serve requires (SPEC_API_KEY); None when unset or empty."""
+    return os.environ.get("SPEC_API_KEY") or None
+
+
+def serve_max_upload_bytes() -> int:
+    """Largest file spec-serve accepts (SPEC_SERVE_MAX_UPLOAD_BYTES)."""
+    return int(os.environ.get("SPEC_SERVE_MAX_UPLOAD_BYTES") or SERVE_MAX_UPLOAD_BYTES)

@@ -21,7 +21,11 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
                                (without one after a submit that stopped part-way)
     P:batch:B:submit-lock string a random token: held by the one spec-submit enqueueing B
                                (SET NX PX, renewed while it runs, expires by itself)
+    P:batch:B:api        hash  a batch created through spec-serve: its OpenAI fields
+                               (input_file_id, endpoint, completion_window, metadata,
+                               state, timestamps, validation errors)
     P:batches            zset  batch id -> created_at
+    P:api-batches        zset  batch id -> created_at, of batches created by spec-serve
     P:model:A            hash  a served alias: context_length, tokenizer_json, updated_at
     P:worker:W           hash  a worker's lifetime counters, model, host, pid, started_at,
                                last_seen (refreshed with every heartbeat, busy or idle),
@@ -160,6 +164,13 @@ class Keys:
     def submit_lock(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}:submit-lock"
 
+    def api_batch(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:api"
+
+    @property
+    def api_batches(self) -> str:
+        return f"{self.prefix}:api-batches"
+
     def batch_keys(self, batch_id: str) -> list[str]:
         """Every key of a batch (for TTLs and deletion)."""
         return [
@@ -171,6 +182,7 @@ class Keys:
             self.done(batch_id),
             self.batch_workers(batch_id),
             self.submitting(batch_id),
+            self.api_batch(batch_id),
         ]
 
     def batch_key_types(self, batch_id: str) -> dict[str, str]:
@@ -184,6 +196,7 @@ class Keys:
             self.done(batch_id): "list",
             self.batch_workers(batch_id): "hash",
             self.submitting(batch_id): "string",
+            self.api_batch(batch_id): "hash",
         }
 
     @property

@@ -363,6 +363,35 @@ def _line_keys(conn: Redis, keys: Keys, batch_id: str, order: str) -> Iterator[l
         start += step
 
 
+def stored_lines(
+    conn: Redis, keys: Keys, batch_id: str, order: Literal["input", "completion"] = "input"
+) -> Iterator[tuple[Literal["result", "error", "pending"], str, str | None]]:
+    """Every line of the batch as spec-collect writes it, in `order`, read CHUNK_LINES at
+    a time: (kind, JSON line, problem). A line without a result or error line yet is
+    ("pending", "", None); a stored line that is damaged comes as ("error", its
+    `internal_error` line, where: key, field and what is wrong)."""
+    for chunk in _line_keys(conn, keys, batch_id, order):
+        with conn.pipeline(transaction=False) as pipe:
+            pipe.hmget(keys.results(batch_id), chunk)
+            pipe.hmget(keys.errors(batch_id), chunk)
+            results, errors = pipe.execute()
+        for line_key, result, error in zip(chunk, results, errors, strict=True):
+            raw, hash_key = (
+                (result, keys.results(batch_id))
+                if result is not None
+                else (error, keys.errors(batch_id))
+            )
+            if raw is None:
+                yield "pending", "", None
+                continue
+            text, problem = _stored_line(raw)
+            if problem:
+                where = f"key {hash_key} field {line_key}: {problem}"
+                yield "error", _corrupt_line(conn, keys, batch_id, line_key, where), where
+                continue
+            yield ("result" if result is not None else "error"), text, None
+
+
 @_redis_refusals
 def collect(
     conn: Redis,
@@ -392,33 +421,19 @@ def collect(
     corrupt, first_corrupt = 0, ""
     with _Outputs(targets) as files:
         err_role = "--errors" if errors_path else "-o"
-        for chunk in _line_keys(conn, keys, batch_id, order):
-            with conn.pipeline(transaction=False) as pipe:
-                pipe.hmget(keys.results(batch_id), chunk)
-                pipe.hmget(keys.errors(batch_id), chunk)
-                results, errors = pipe.execute()
-            for line_key, result, error in zip(chunk, results, errors, strict=True):
-                raw, hash_key = (
-                    (result, keys.results(batch_id))
-                    if result is not None
-                    else (error, keys.errors(batch_id))
-                )
-                if raw is None:
-                    counts["pending"] += 1
-                    continue
-                raw, problem = _stored_line(raw)
-                if problem:
-                    where = f"key {hash_key} field {line_key}: {problem}"
-                    first_corrupt = first_corrupt or where
-                    raw = _corrupt_line(conn, keys, batch_id, line_key, where)
-                    corrupt += 1
-                    result = None
-                if result is not None:
-                    files.write("-o", raw)
-                    counts["results"] += 1
-                else:
-                    files.write(err_role, raw)
-                    counts["errors"] += 1
+        for kind, raw, problem in stored_lines(conn, keys, batch_id, order):
+            if kind == "pending":
+                counts["pending"] += 1
+                continue
+            if problem:
+                first_corrupt = first_corrupt or problem
+                corrupt += 1
+            if kind == "result":
+                files.write("-o", raw)
+                counts["results"] += 1
+            else:
+                files.write(err_role, raw)
+                counts["errors"] += 1
     if corrupt:
         raise CorruptLines(
             f"{corrupt} stored line(s) of batch {batch_id} are not valid JSON "
