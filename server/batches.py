@@ -412,15 +412,10 @@ class BatchService:
 
     def cancel(self, batch_id: str) -> dict:
         """POST /v1/batches/{id}/cancel: spec-cancel's cancel; running lines finish."""
+        current = self.retrieve(batch_id)  # raises for an unknown batch
+        if current["status"] in ("failed", "completed", "expired", "cancelled"):
+            raise APIError(409, f"cannot cancel a batch that is {current['status']}", "batch_id")
         rec = self._record(batch_id)
-        if rec is None:
-            raise APIError(404, f"no batch with id {batch_id!r}", "batch_id")
-        if rec["state"] in ("failed", "expired", "cancelled"):
-            raise APIError(409, f"cannot cancel a batch that is {rec['state']}", "batch_id")
-        if rec["state"] == "submitted":
-            state = fleet.status(self.conn, self.keys, batch_id)
-            if state["status"] in ("completed", "failed") and not rec.get("cancelling_at"):
-                raise APIError(409, "cannot cancel a batch that is completed", "batch_id")
         self.conn.hsetnx(self.keys.api_batch(batch_id), "cancelling_at", f"{time.time():.3f}")
         if rec["state"] == "submitted":
             fleet.cancel(self.conn, self.keys, batch_id)

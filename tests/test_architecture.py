@@ -3,7 +3,8 @@
 Every import counts, those inside functions included: a lazy import still ties the
 two modules together. The rules:
 - producer and worker never import each other; both import jobstore;
-- jobstore, producer and reporting never reach MLX or the engine (a machine that only
+- server (spec-serve) imports only jobstore and producer of this project;
+- jobstore, producer, reporting and server never reach MLX or the engine (a machine that only
   submits installs without them), not even through another module of this project;
 - the engine never imports Redis or RQ; jobstore.stats and the jobstore package itself
   import neither Redis nor MLX, so the engine may use jobstore.stats;
@@ -18,8 +19,18 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-TREES = ("engine", "jobstore", "producer", "reporting", "worker", "benchmarks", "scripts", "tests")
-SUBMIT_SIDE = ("jobstore", "producer", "reporting")
+TREES = (
+    "engine",
+    "jobstore",
+    "producer",
+    "reporting",
+    "server",
+    "worker",
+    "benchmarks",
+    "scripts",
+    "tests",
+)
+SUBMIT_SIDE = ("jobstore", "producer", "reporting", "server")
 MLX = ("mlx", "mlx_lm", "engine")
 REDIS = ("redis", "rq")
 
@@ -105,6 +116,7 @@ def _reach(start: str) -> dict[str, list[str]]:
 
 def test_the_scan_sees_the_tree():
     assert {"jobstore.stats", "producer.cli", "worker.cli", "engine.core"} <= MODULES.keys()
+    assert "producer.batches" in EDGES["server.batches"]
     assert "jobstore.keys" in EDGES["producer.submit"]
     assert "engine" in TOPS["worker.execute"]
 
@@ -115,6 +127,17 @@ def test_producer_and_worker_never_import_each_other():
         for a, targets in EDGES.items()
         for b in targets
         if {a.split(".")[0], b.split(".")[0]} == {"producer", "worker"}
+    ]
+    assert bad == []
+
+
+def test_the_server_imports_only_jobstore_and_producer():
+    bad = [
+        f"{a} imports {b}"
+        for a, targets in EDGES.items()
+        if _in(a, ("server",))
+        for b in targets
+        if not _in(b, ("jobstore", "producer", "server"))
     ]
     assert bad == []
 
@@ -187,6 +210,7 @@ def test_submitting_loads_no_mlx():
     without MLX or the engine."""
     code = (
         "import sys, producer.cli, reporting.report, jobstore.store, jobstore.stats\n"
+        "import server.app, server.cli\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlx', 'mlx_lm', 'engine'}))"
     )
     out = subprocess.run(
