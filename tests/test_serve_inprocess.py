@@ -1,0 +1,159 @@
+"""spec-serve in this process (FastAPI's TestClient over the session's Redis, no worker):
+the parts whose timing a real fleet would make slow or flaky to test: expiry, skipping
+invalid lines, a validation resumed after a restart, size limits."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import Settings, create_app
+from server.batches import BatchService
+from server.files import FileStore
+
+KEY = "sk-inprocess"
+
+
+def _line(custom_id: str, **body) -> str:
+    body.setdefault("messages", [{"role": "user", "content": "hi"}])
+    return json.dumps(
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {"model": "nobody", "max_tokens": 2, **body},  # no worker serves it
+        }
+    )
+
+
+@pytest.fixture
+def api(redis_env, tmp_path):
+    def make(**settings) -> TestClient:
+        app = create_app(Settings(redis_env.url, tmp_path / "data", KEY, **settings))
+        return TestClient(app, headers={"Authorization": f"Bearer {KEY}"})
+
+    return make
+
+
+def _upload(client: TestClient, text: str) -> str:
+    got = client.post("/v1/files", files={"file": ("jobs.jsonl", text)}, data={"purpose": "batch"})
+    assert got.status_code == 200, got.text
+    return got.json()["id"]
+
+
+def _wait(client: TestClient, batch_id: str, done, timeout: float = 30) -> dict:
+    deadline = time.monotonic() + timeout
+    while not done(batch := client.get(f"/v1/batches/{batch_id}").json()):
+        assert time.monotonic() < deadline, batch
+        time.sleep(0.05)
+    return batch
+
+
+def test_a_batch_past_its_completion_window_expires_and_its_lines_are_cancelled(api):
+    with api() as client:
+        file_id = _upload(client, "\n".join(_line(f"x{i}") for i in range(3)) + "\n")
+        created = client.post(
+            "/v1/batches",
+            json={
+                "input_file_id": file_id,
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "2s",
+            },
+        ).json()
+        assert created["expires_at"] - created["created_at"] in (2, 3)
+        running = _wait(client, created["id"], lambda b: b["status"] != "validating")
+        assert running["status"] == "in_progress"
+        batch = _wait(client, created["id"], lambda b: b["status"] == "expired")
+        assert batch["expired_at"] >= created["expires_at"] - 1
+        assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 3}
+        errors = client.get(f"/v1/files/{batch['error_file_id']}/content").text.splitlines()
+        assert [json.loads(e)["error"]["code"] for e in errors] == ["cancelled"] * 3
+        assert batch["output_file_id"] is None
+
+
+def test_skip_invalid_runs_the_valid_lines_and_the_bad_ones_are_error_lines(api, redis_env):
+    with api(skip_invalid=True) as client:
+        text = "\n".join([_line("ok"), _line("bad", temperature=-1), "[1]"]) + "\n"
+        file_id = _upload(client, text)
+        created = client.post(
+            "/v1/batches",
+            json={
+                "input_file_id": file_id,
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            },
+        ).json()
+        batch = _wait(client, created["id"], lambda b: b["status"] != "validating")
+        assert batch["status"] == "in_progress" and batch["errors"] is None
+        assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 2}
+        # An ordinary batch: spec-status's view of it, and the one line waiting in its queue.
+        assert redis_env.run("spec-status", created["id"]).returncode == 0
+        assert redis_env.conn.llen(f"rq:queue:{redis_env.keys.queue_name('nobody')}") == 1
+
+
+def test_a_batch_left_validating_by_a_dead_server_is_validated_on_start(redis_env, tmp_path):
+    files = FileStore(tmp_path / "data", 1 << 20)
+    path = files.root / ("file-" + "a" * 24)
+    path.with_suffix(".jsonl").write_text(_line("only") + "\n")
+    path.with_suffix(".json").write_text(
+        json.dumps({"id": path.name, "filename": "j.jsonl", "created_at": 1, "purpose": "batch"})
+    )
+    keys = redis_env.keys
+    batch_id = redis_env.batch_id("left")
+    redis_env.conn.hset(
+        keys.api_batch(batch_id),
+        mapping={
+            "state": "validating",
+            "input_file_id": path.name,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": "24h",
+            "metadata": "null",
+            "created_at": "1",
+            "expires_at": f"{time.time() + 3600}",
+        },
+    )
+    redis_env.conn.zadd(keys.api_batches, {batch_id: 1})
+    service = BatchService(redis_env.conn, keys, files)
+    service.start()
+    try:
+        deadline = time.monotonic() + 30
+        while (batch := service.retrieve(batch_id))["status"] == "validating":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        service.stop()
+    assert batch["status"] == "in_progress" and batch["request_counts"]["total"] == 1
+
+
+def test_requests_over_the_size_limits_are_refused(api, tmp_path):
+    with api(max_upload_bytes=1000) as client:
+        big = client.post(
+            "/v1/files", files={"file": ("big.jsonl", "x" * 100_000)}, data={"purpose": "batch"}
+        )
+        assert big.status_code == 413 and big.json()["error"]["code"] == "request_too_large"
+        # Past the limit but within the envelope's allowance: counted as it streams in.
+        medium = client.post(
+            "/v1/files", files={"file": ("m.jsonl", "x" * 5000)}, data={"purpose": "batch"}
+        )
+        assert medium.status_code == 413 and medium.json()["error"]["code"] == "file_too_large"
+        # Without a Content-Length the stream itself is counted.
+        chunks = iter(
+            [b'--b\r\nContent-Disposition: form-data; name="file"; filename="a"\r\n\r\n']
+            + [b"y" * 500] * 4
+        )
+        streamed = client.post(
+            "/v1/files",
+            content=chunks,
+            headers={"Content-Type": "multipart/form-data; boundary=b"},
+        )
+        assert streamed.status_code == 413, streamed.text
+        assert streamed.json()["error"]["param"] == "file"
+        body = client.post("/v1/batches", content=b"{" + b" " * (2 << 20) + b"}")
+        assert body.status_code == 413
+        wrong = client.post("/v1/files", files={"file": ("a.jsonl", "{}")}, data={"purpose": "x"})
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "purpose"
+        assert client.get("/v1/files").json()["data"] == []
+        assert list((tmp_path / "data" / "files").iterdir()) == []  # nothing half-kept
