@@ -49,7 +49,8 @@ _WINDOW = re.compile(r"([1-9][0-9]{0,6})([smhd])")
 _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _OUTPUT_ID = re.compile(r"file-(out|err)-([A-Za-z0-9_-]{1,64})")
 
-#: How often the server looks for batches whose completion window has passed.
+#: How often the server looks for batches whose completion window has passed (and
+#: uploaded files whose result TTL has).
 EXPIRY_SWEEP_S = 30.0
 
 
@@ -148,6 +149,8 @@ class BatchService:
     def _sweep(self) -> None:
         while not self._stop.wait(EXPIRY_SWEEP_S):
             try:
+                for file_id in self.files.delete_expired():
+                    log.info("file %s: deleted, its result TTL passed", file_id)
                 for raw in self.conn.zrange(self.keys.api_batches, 0, -1):
                     rec = self._record(raw.decode())
                     if rec and rec["state"] in ("validating", "submitted"):

@@ -3,7 +3,8 @@
 An upload is written to `<data dir>/files/<id>.jsonl` as its bytes arrive (a multipart
 body parsed as a stream, never held whole), under a temporary name until it is
 complete, then its description (`<id>.json`: the OpenAI file object) is written, so a
-restarted server lists it. A file id maps to a path only when it has the shape this
+restarted server lists it. Files expire with the batches' result TTL
+(SPEC_RESULT_TTL_S after the upload), else stay until deleted. A file id maps to a path only when it has the shape this
 module hands out (`file-` and 24 hex digits): no id reaches outside the directory.
 """
 
@@ -19,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from python_multipart.multipart import MultipartParser, parse_options_header
+
+from jobstore import config
 
 #: The ids this module hands out; nothing else is ever turned into a path.
 FILE_ID = re.compile(r"file-[0-9a-f]{24}")
@@ -84,6 +87,16 @@ class FileStore:
         (self.root / f"{file_id}.jsonl").unlink(missing_ok=True)
         return True
 
+    def delete_expired(self, now: float | None = None) -> list[str]:
+        """Delete the files whose `expires_at` (upload time + SPEC_RESULT_TTL_S) has
+        passed; returns their ids."""
+        now = time.time() if now is None else now
+        gone = []
+        for obj in self.list():
+            if obj.get("expires_at") and obj["expires_at"] <= now and self.delete(obj["id"]):
+                gone.append(obj["id"])
+        return gone
+
     async def create(self, content_type: str, body: AsyncIterator[bytes]) -> dict:
         """Store the `file` part of a multipart upload with `purpose=batch` as it
         arrives; returns its file object. Raises UploadError (nothing is kept then)."""
@@ -115,11 +128,13 @@ class FileStore:
             if isinstance(exc, ValueError) and not isinstance(exc, UploadError):
                 raise UploadError(f"the multipart body is malformed: {exc}") from exc
             raise
+        now, ttl = int(time.time()), config.result_ttl_s()
         obj = {
             "id": file_id,
             "object": "file",
             "bytes": part.size,
-            "created_at": int(time.time()),
+            "created_at": now,
+            "expires_at": now + ttl if ttl > 0 else None,
             "filename": os.path.basename(part.filename or "upload.jsonl"),
             "purpose": purpose,
             "status": "processed",

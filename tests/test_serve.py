@@ -268,6 +268,7 @@ def test_a_batch_runs_through_the_fleet_as_spec_run_runs_it(fleet, tmp_path):
     assert [comparable(r) for r in results] == [comparable(r) for r in expected]
     status = json.loads(run(env, "spec-status", batch.id, "--json").stdout)
     assert status["status"] == "completed" and status["request_counts"]["completed"] == 6
+    assert run(env, "spec-report", batch.id, "-o", str(tmp_path / "r.html")).returncode == 0
 
     output = client.files.retrieve(batch.output_file_id)
     assert (output.purpose, output.bytes) == ("batch_output", len(content.content))

@@ -157,3 +157,15 @@ def test_requests_over_the_size_limits_are_refused(api, tmp_path):
         assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "purpose"
         assert client.get("/v1/files").json()["data"] == []
         assert list((tmp_path / "data" / "files").iterdir()) == []  # nothing half-kept
+
+
+def test_uploads_expire_with_the_result_ttl(api, monkeypatch, tmp_path):
+    monkeypatch.setenv("SPEC_RESULT_TTL_S", "60")
+    with api() as client:
+        file_id = _upload(client, _line("a") + "\n")
+        obj = client.get(f"/v1/files/{file_id}").json()
+        assert obj["expires_at"] == obj["created_at"] + 60
+        store = FileStore(tmp_path / "data", 1 << 20)
+        assert store.delete_expired(obj["created_at"] + 59) == []
+        assert store.delete_expired(obj["created_at"] + 60) == [file_id]
+        assert client.get(f"/v1/files/{file_id}").status_code == 404
