@@ -151,12 +151,27 @@ class BatchService:
             try:
                 for file_id in self.files.delete_expired():
                     log.info("file %s: deleted, its result TTL passed", file_id)
+                self._align_ttls()
                 for raw in self.conn.zrange(self.keys.api_batches, 0, -1):
                     rec = self._record(raw.decode())
                     if rec and rec["state"] in ("validating", "submitted"):
                         self._expire_if_due(raw.decode(), rec)
             except Exception:  # Redis away: the next sweep tries again
                 log.warning("expiry sweep failed; trying again in %.0f s", EXPIRY_SWEEP_S)
+
+    def _align_ttls(self) -> None:
+        """Give each API record the TTL its batch has now: workers renew the batch's
+        keys as they store lines (jobstore.store), not this one."""
+        ids = [raw.decode() for raw in self.conn.zrange(self.keys.api_batches, 0, -1)]
+        with self.conn.pipeline(transaction=False) as pipe:
+            for batch_id in ids:
+                pipe.pttl(self.keys.batch(batch_id))
+            ttls = pipe.execute()
+        with self.conn.pipeline(transaction=False) as pipe:
+            for batch_id, ttl in zip(ids, ttls, strict=True):
+                if ttl > 0:
+                    pipe.pexpire(self.keys.api_batch(batch_id), ttl)
+            pipe.execute()
 
     # --- create ------------------------------------------------------------------------
 
@@ -355,6 +370,14 @@ class BatchService:
 
     def _fleet_view(self, batch_id: str, rec: dict[str, str], obj: dict) -> None:
         """Fill status, counts and files from the fleet batch's own status."""
+        if not self.conn.exists(self.keys.batch(batch_id)):  # expired, or spec-collect --delete
+            with self.conn.pipeline() as pipe:
+                pipe.delete(self.keys.api_batch(batch_id))
+                pipe.zrem(self.keys.api_batches, batch_id)
+                pipe.execute()
+            raise APIError(
+                404, f"no batch with id {batch_id!r} (its result TTL passed)", "batch_id"
+            )
         state = fleet.status(self.conn, self.keys, batch_id)
         c = state["request_counts"]
         obj["request_counts"] = {k: c[k] for k in ("total", "completed", "failed")}

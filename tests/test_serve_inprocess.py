@@ -169,3 +169,27 @@ def test_uploads_expire_with_the_result_ttl(api, monkeypatch, tmp_path):
         assert store.delete_expired(obj["created_at"] + 59) == []
         assert store.delete_expired(obj["created_at"] + 60) == [file_id]
         assert client.get(f"/v1/files/{file_id}").status_code == 404
+
+
+def test_a_batch_gone_from_redis_is_gone_from_the_api(api, redis_env, monkeypatch):
+    monkeypatch.setenv("SPEC_RESULT_TTL_S", "100")
+    keys = redis_env.keys
+    with api() as client:
+        file_id = _upload(client, _line("a") + "\n")
+        created = client.post(
+            "/v1/batches",
+            json={
+                "input_file_id": file_id,
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            },
+        ).json()
+        _wait(client, created["id"], lambda b: b["status"] != "validating")
+        assert 0 < redis_env.conn.ttl(keys.api_batch(created["id"])) <= 100
+        # What the result TTL does to the batch's own keys (the workers renew those).
+        api_key = keys.api_batch(created["id"])
+        redis_env.conn.delete(*(k for k in keys.batch_keys(created["id"]) if k != api_key))
+        got = client.get(f"/v1/batches/{created['id']}")
+        assert got.status_code == 404 and got.json()["error"]["param"] == "batch_id"
+        assert client.get("/v1/batches").json()["data"] == []
+        assert not redis_env.conn.exists(keys.api_batch(created["id"]))
