@@ -193,3 +193,16 @@ def test_a_batch_gone_from_redis_is_gone_from_the_api(api, redis_env, monkeypatc
         assert got.status_code == 404 and got.json()["error"]["param"] == "batch_id"
         assert client.get("/v1/batches").json()["data"] == []
         assert not redis_env.conn.exists(keys.api_batch(created["id"]))
+
+
+def test_spec_serve_on_a_reachable_address_needs_an_api_key(monkeypatch):
+    from click.testing import CliRunner
+
+    from server.cli import serve
+
+    monkeypatch.delenv("SPEC_API_KEY", raising=False)
+    got = CliRunner().invoke(serve, ["--host", "0.0.0.0", "--redis", "redis://:pw@127.0.0.1:1/0"])
+    assert got.exit_code == 1
+    assert got.output == (
+        "spec-serve: error: --host 0.0.0.0 is reachable from other machines: set SPEC_API_KEY\n"
+    )
