@@ -894,7 +894,7 @@ def greedy_reference(
     last = int(mx.argmax(logits[0, -1]).item())
     out, accepted = [last], []
     while len(out) < max_tokens:
-        drafts = mx.argmax(state.block_logits([last])[0], axis=-1).tolist()
+        drafts = drafter.greedy_block(state, [last])[0].tolist()
         with drafter.capture(target) as cap:
             logits = target(mx.array([[last] + drafts]), cache=cache)
             feats = cap.features

@@ -11,7 +11,10 @@ know must be refused in one line naming the field.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
+import sys
+from pathlib import Path
 
 import chisquare
 import mlx.core as mx
@@ -36,6 +39,7 @@ from engine.types import ModelLoadError
 
 HIDDEN = 64
 TEXTS = ["def parse_header(line):\n    ", "import os\n", "class Stack:\n    def push(self):"]
+COMPARE = Path(__file__).resolve().parent.parent / "scripts" / "compare_mlx_vlm.py"
 BLOCKS = (("model", 1), ("model", 2), ("model", 3))  # draft lengths 1..3 mixed
 
 
@@ -364,3 +368,20 @@ def test_spec_run_with_a_dflash2_draft_names_it_in_every_result(tmp_path):
         sd = line["response"]["body"]["metrics"]["speculative_decoding"]
         assert sd["drafter"] == "dflash2"
     assert lines["s"]["response"]["body"]["metrics"]["speculative_decoding"]["num_draft_tokens"]
+
+
+@pytest.mark.skipif(
+    not os.environ.get("SPEC_MLX_VLM"),
+    reason="set SPEC_MLX_VLM to a directory holding mlx_vlm/ (an unzipped mlx-vlm wheel)",
+)
+def test_drafts_equal_mlx_vlm_drafts_step_by_step():
+    """Greedy, full blocks, same tiny weights: every verify step's drafts and acceptance
+    equal those of mlx-vlm's own DFlash and DFlash2 drafter classes."""
+    result = subprocess.run(
+        [sys.executable, str(COMPARE), "--mlx-vlm", os.environ["SPEC_MLX_VLM"]],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "dflash2: 153/153 verify steps" in result.stdout
