@@ -491,6 +491,10 @@ class DFlashState:
         shape = (batch, c.num_key_value_heads, 0, c.head_dim)
         self.keys = [mx.zeros(shape) for _ in range(c.num_hidden_layers)]
         self.values = [mx.zeros(shape) for _ in range(c.num_hidden_layers)]
+        windows = [c.window_of(i) for i in range(c.num_hidden_layers)]
+        # A drafter whose every layer slides never sees a slot again once the row has moved
+        # `horizon` positions past it (rows only grow): such slots are let go.
+        self.horizon = None if None in windows else max(windows)
 
     @property
     def batch(self) -> int:
@@ -521,6 +525,10 @@ class DFlashState:
         self.positions = mx.concatenate([self.positions, new_pos.astype(mx.int32)], axis=1)
         self.length = self.length + keep_arr
         self.used += n
+        if self.horizon is not None:
+            self.valid = self.valid & (self.length[:, None] - self.positions < self.horizon)
+            if self.used >= self.horizon + GROW:
+                self._drop_dead_head(least=GROW)
 
     def _write(self, i: int, k: mx.array, v: mx.array) -> None:
         start, n = self.used, k.shape[2]
@@ -612,12 +620,13 @@ class DFlashState:
         values = [mx.pad(self._context(i)[1], pad4) for i in range(len(self.keys))]
         return mx.pad(self.valid, pad2), mx.pad(self.positions, pad2), keys, values
 
-    def _drop_dead_head(self) -> None:
+    def _drop_dead_head(self, least: int = 1) -> None:
+        # Drops the leading slots no row uses, when there are at least `least` of them.
         if self.used == 0:
             return
         alive = mx.any(self.valid, axis=0).tolist()
         start = next((i for i, a in enumerate(alive) if a), len(alive))
-        if start:
+        if start >= least:
             self.valid, self.positions = self.valid[:, start:], self.positions[:, start:]
             self.keys = [k[..., start : self.used, :] for k in self.keys]
             self.values = [v[..., start : self.used, :] for v in self.values]

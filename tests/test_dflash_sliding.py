@@ -30,7 +30,7 @@ SLIDING = ("sliding_attention", "full_attention")
 
 def write_sliding(path, vocab: int, layers: int, seed: int = 0, **over) -> None:
     mx.random.seed(seed)
-    config = drafter_config(
+    settings = dict(
         vocab_size=vocab,
         num_target_layers=layers,
         target_layer_ids=(0, layers - 1),
@@ -38,8 +38,8 @@ def write_sliding(path, vocab: int, layers: int, seed: int = 0, **over) -> None:
         mask_token_id=vocab - 1,
         layer_types=SLIDING,
         sliding_window=4,
-        **over,
     )
+    config = drafter_config(**{**settings, **over})
     save_dflash(DFlashModel(config), path)
 
 
@@ -136,3 +136,23 @@ def test_sliding_dflash_sampling_on_gemma3_text_follows_its_law(v6_gemma):
     chisquare.single_equals_batched(
         v6_gemma, 100, 16_000_000, PROMPT, PARAMS, LENGTH, setups=BLOCKS
     )
+
+
+def test_a_drafter_whose_every_layer_slides_lets_go_of_old_context(gemma_pair, tmp_path):
+    """Slots a row has moved a window past are never seen again: they are dropped, and the
+    drafts are what the whole context gives."""
+    target, vocab, layers = family_target(tmp_path, "gemma3_text")
+    write_sliding(
+        tmp_path / "d", vocab, layers, layer_types=("sliding_attention",) * 2, sliding_window=3
+    )
+    drafter = load_dflash(tmp_path / "d", gemma_pair.target, {"hidden_size": 64})
+    assert drafter.info()["sliding_window"] == 3
+    feats = mx.random.normal((2, 300, 2 * 64), key=mx.random.key(2))
+    trimmed, whole = drafter.new_state(2), drafter.new_state(2)
+    whole.horizon = None  # keeps every slot
+    for start in range(0, 300, 4):
+        for state in (trimmed, whole):
+            state.extend(feats[:, start : start + 4], [4, 1 + start % 3])
+    assert trimmed.lengths() == whole.lengths() == [300, 75 + 75]
+    assert trimmed.used < whole.used == 300
+    assert mx.allclose(trimmed.block_logits([3, 4]), whole.block_logits([3, 4]), atol=1e-5)
