@@ -293,6 +293,7 @@ def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
     return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=BLOCKS)
 
 
+@pytest.mark.slow
 def test_dflash2_sampling_follows_the_target_law(v6_dflash2):
     law = chisquare.exact_law(v6_dflash2.target, PROMPT, PARAMS, LENGTH, VOCAB)
     assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
@@ -385,3 +386,39 @@ def test_drafts_equal_mlx_vlm_drafts_step_by_step():
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "dflash2: 153/153 verify steps" in result.stdout
+
+
+def test_spec_worker_with_a_dflash2_draft_says_so_and_serves_a_batch(
+    redis_env, start_worker, tmp_path
+):
+    target, vocab, layers = family_target(tmp_path, "llama")
+    write_drafter(tmp_path / "d2", dflash2_config(vocab, layers))
+    lines = [
+        {"custom_id": f"l{i}", "prompt": t, "max_tokens": 6, "temperature": 0.5 * i, "seed": i}
+        for i, t in enumerate(TEXTS)
+    ]
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id("d2")
+    submitted = redis_env.run("spec-submit", jobs, "--batch-id", batch, "--model", "tiny")
+    assert submitted.returncode == 0, submitted.stderr
+    args = ["--target", str(target), "--draft", str(tmp_path / "d2"), "--alias", "tiny"]
+    worker = start_worker("--burst", "--batch", "4", *args)
+    assert worker.wait(timeout=300) == 0, worker.log
+    assert "'draft_kind': 'dflash2'" in worker.log  # the start-up line names the kind
+    out = tmp_path / "r.jsonl"
+    assert redis_env.run("spec-collect", batch, "-o", str(out)).returncode == 0
+    results = read_jsonl(out)
+    assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
+    for r in results:
+        assert r["response"]["body"]["metrics"]["speculative_decoding"]["drafter"] == "dflash2"
+
+
+def test_spec_doctor_names_the_dflash2_drafter(tmp_path):
+    from worker import doctor
+
+    target, vocab, layers = family_target(tmp_path, "llama")
+    write_drafter(tmp_path / "d2", dflash2_config(vocab, layers))
+    check, pair = doctor.load(str(target), str(tmp_path / "d2"))
+    assert check.status == "OK"
+    assert "draft: DFlash2 block drafter (dflash2), block size 5" in check.message
+    assert "draft: DFlash2, block size 5" in doctor.check_features(pair).message

@@ -126,6 +126,7 @@ def v6_gemma(tmp_path_factory) -> ModelPair:
     return pair
 
 
+@pytest.mark.slow
 def test_sliding_dflash_sampling_on_gemma3_text_follows_its_law(v6_gemma):
     law = chisquare.exact_law(v6_gemma.target, PROMPT, PARAMS, LENGTH, VOCAB)
     assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
