@@ -422,3 +422,24 @@ def test_spec_doctor_names_the_dflash2_drafter(tmp_path):
     assert check.status == "OK"
     assert "draft: DFlash2 block drafter (dflash2), block size 5" in check.message
     assert "draft: DFlash2, block size 5" in doctor.check_features(pair).message
+    # "auto" prices it by measured costs: one timed pass per batch size, chain included.
+    assert pair.controller.block and pair.controller.calibrated
+    assert pair.controller.draft.sizes == [1, 2, 4, 8, 16, 32]
+
+
+def test_auto_times_the_whole_dflash2_proposal(tmp_path, monkeypatch):
+    from engine import adaptive, dflash
+
+    target, vocab, layers = family_target(tmp_path, "llama")
+    write_drafter(tmp_path / "d2", dflash2_config(vocab, layers))
+    pair = engine.load_pair(target, tmp_path / "d2", calibrate=False)
+    chains = []
+    original = dflash.DFlashDrafter.draft_chain
+
+    def counted(self, state, last_tokens, *args):
+        chains.append(len(last_tokens))
+        return original(self, state, last_tokens, *args)
+
+    monkeypatch.setattr(dflash.DFlashDrafter, "draft_chain", counted)
+    costs = adaptive.measure_block_costs(pair.dflash, pair.target, sizes=(1, 3), reps=0)
+    assert chains == [1, 3] and costs.sizes == [1, 3]
