@@ -23,10 +23,12 @@ import tempfile
 import types
 from pathlib import Path
 
+import engine  # noqa: F401  (loads the fast BLAS before mlx)
+
+# isort: split
 import mlx.core as mx
 import mlx_lm
 
-import engine  # noqa: F401  (loads the fast BLAS before mlx)
 from engine.dflash import DFlashConfig, DFlashModel, load_dflash, save_dflash
 
 ROOT = Path(__file__).resolve().parent.parent
