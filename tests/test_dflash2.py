@@ -10,6 +10,7 @@ know must be refused in one line naming the field.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -139,9 +140,12 @@ def test_the_published_dflash2_layout_loads(tmp_path):
     del cfg["architectures"]
     cfg.update(cfg.pop("dflash_config"))
     cfg["dflash_config"] = {k: cfg.pop(k) for k in ("mask_token_id", "target_layer_ids")}
+    cfg["rope_is_neox_style"] = False  # interleaved pairs: what MLX calls "traditional"
     (tmp_path / "d2" / "config.json").write_text(json.dumps(cfg))
     again = load_dflash(tmp_path / "d2", pair.target, {"hidden_size": HIDDEN, "vocab_size": vocab})
-    assert again.kind == "dflash2" and again.config == pair.dflash.config
+    assert again.kind == "dflash2"
+    assert again.config == dataclasses.replace(pair.dflash.config, rope_is_neox_style=False)
+    assert again.model._rope.traditional and not pair.dflash.model._rope.traditional
 
 
 @pytest.mark.parametrize(
