@@ -293,6 +293,24 @@ def v6_dflash2(tmp_path_factory) -> ModelPair:
     return _v6_pair(tmp, target, 1, "v6d2", _small(1, sliding_window=3))
 
 
+@pytest.fixture(scope="module")
+def v6_hybrid_dflash2(tmp_path_factory) -> ModelPair:
+    """The same on a hybrid target: qwen3_5 (gated delta-net + full attention), 6 tokens."""
+    tmp = tmp_path_factory.mktemp("v6hybrid2")
+    tok, _ = tokenizer_dir(tmp)
+    target = build_model(
+        tmp / "t",
+        "qwen3_5",
+        vocab_size=VOCAB,
+        tokenizer_from=tok,
+        hidden=16,
+        seed=11,
+        scale=2.0,
+        layers=2,
+    )
+    return _v6_pair(tmp, target, 2, "h6d2", _small(2, sliding_window=3))
+
+
 def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
     return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=BLOCKS)
 
@@ -307,6 +325,15 @@ def test_dflash2_sampling_follows_the_target_law(v6_dflash2):
     chisquare.single_equals_batched(
         v6_dflash2, 100, 13_000_000, PROMPT, PARAMS, LENGTH, setups=BLOCKS
     )
+
+
+@pytest.mark.slow
+def test_dflash2_sampling_on_a_hybrid_target_follows_its_law(v6_hybrid_dflash2):
+    pair = v6_hybrid_dflash2
+    law = chisquare.exact_law(pair.target, PROMPT, PARAMS, LENGTH, VOCAB)
+    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
+    assert chi_square_p(law, draw(pair, 6_000, seed0=17_000_000)) > P_FAIL
+    chisquare.single_equals_batched(pair, 100, 18_000_000, PROMPT, PARAMS, LENGTH, setups=BLOCKS)
 
 
 def test_a_dflash2_law_that_ignores_the_chain_fails_the_test(v6_dflash2, monkeypatch):
