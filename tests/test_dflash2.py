@@ -474,3 +474,36 @@ def test_auto_times_the_whole_dflash2_proposal(tmp_path, monkeypatch):
     monkeypatch.setattr(dflash.DFlashDrafter, "draft_chain", counted)
     costs = adaptive.measure_block_costs(pair.dflash, pair.target, sizes=(1, 3), reps=0)
     assert chains == [1, 3] and costs.sizes == [1, 3]
+
+
+def test_sampled_rows_draw_the_same_beside_greedy_rows(v6_dflash2):
+    """A batch mixing greedy and sampled rows: each sampled row draws, seed for seed, what
+    it draws alone, and each greedy row is the target's greedy text."""
+    from engine.batch import BatchDecoder
+
+    greedy_ref = [
+        t
+        for s in SpeculativeDecoder(
+            v6_dflash2, PROMPT, SamplingParams(), num_draft_tokens=3, max_tokens=8
+        ).steps()
+        for t in s.tokens
+    ][:8]
+    batch = BatchDecoder(v6_dflash2)
+    seeds = range(40)
+    for seed in seeds:
+        params = SamplingParams() if seed % 2 else PARAMS
+        batch.add(
+            seed, PROMPT, params, seed=seed, drafter="model", num_draft_tokens=3, max_tokens=8
+        )
+    got = {s: [] for s in seeds}
+    while any(len(v) < 8 for v in got.values()):
+        for key, step in batch.step().items():
+            got[key].extend(step.tokens)
+    for seed in seeds:
+        if seed % 2:
+            assert got[seed][:8] == greedy_ref, seed
+            continue
+        alone = SpeculativeDecoder(
+            v6_dflash2, PROMPT, PARAMS, seed=seed, num_draft_tokens=3, max_tokens=8
+        )
+        assert got[seed][:8] == [t for s in alone.steps() for t in s.tokens][:8], seed
