@@ -32,7 +32,7 @@ from tiny_models import build_llama, reference_greedy
 import engine
 from engine import GenerationRequest, drafters
 from engine.batch import SpeculativeDecoder
-from engine.dflash import DFlashConfig, DFlashModel, load_dflash, save_dflash
+from engine.dflash import DFlashConfig, DFlashModel, drafter_kind, load_dflash, save_dflash
 from engine.dflash2 import grouped_dynamic_convolve
 from engine.loading import ModelPair
 from engine.sampling import SamplingParams
@@ -146,6 +146,60 @@ def test_the_published_dflash2_layout_loads(tmp_path):
     assert again.kind == "dflash2"
     assert again.config == dataclasses.replace(pair.dflash.config, rope_is_neox_style=False)
     assert again.model._rope.traditional and not pair.dflash.model._rope.traditional
+
+
+def test_a_published_dflash2_config_reads_as_its_authors_wrote_it():
+    """The fields of z-lab's DFlash2 config.json (a 5-layer drafter for a 52-layer target),
+    as their checkpoint spells them."""
+    published = {
+        "architectures": ["DFlash2DraftModel"],
+        "attention_bias": False,
+        "is_causal": False,
+        "dflash_config": {
+            "block_size": 16,
+            "conv_group_size": 16,
+            "conv_kernel_size": 2,
+            "final_logit_softcapping": 20.0,
+            "mask_token_id": 201818,
+            "output_multiplier": 0.19611613513818404,
+            "selector_rank": 256,
+            "selector_top_k": 16,
+            "target_layer_ids": [1, 13, 25, 37, 49],
+        },
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "hidden_size": 6656,
+        "intermediate_size": 19968,
+        "layer_types": ["sliding_attention"] * 5,
+        "max_position_embeddings": 131072,
+        "model_type": "qwen3",
+        "num_attention_heads": 32,
+        "num_hidden_layers": 5,
+        "num_key_value_heads": 8,
+        "num_target_layers": 52,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 500000.0, "rope_type": "default"},
+        "sliding_window": 2048,
+        "tie_word_embeddings": False,
+        "use_sliding_window": True,
+        "vocab_size": 202048,
+    }
+    c = DFlashConfig.from_dict(published, drafter_kind(published))
+    assert (c.kind, c.block_size, c.mask_token_id, c.num_target_layers) == (
+        "dflash2",
+        16,
+        201818,
+        52,
+    )
+    assert (c.conv_kernel_size, c.conv_group_size, c.selector_rank, c.selector_top_k) == (
+        2,
+        16,
+        256,
+        16,
+    )
+    assert (c.rope_theta, c.sliding_window, c.is_causal) == (500000.0, 2048, False)
+    assert (c.final_logit_softcapping, c.output_multiplier) == (20.0, 0.19611613513818404)
+    assert not any(c.causal_of(i) for i in range(5)) and c.window_of(4) == 2048
 
 
 @pytest.mark.parametrize(
