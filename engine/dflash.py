@@ -9,7 +9,13 @@ concatenated, projected by `fc` + `hidden_norm`, and turned into keys and values
 drafter layer. Those keys and values are cached like a KV cache, so they roll back with the
 acceptance: after a verify pass the decoder appends the features of the tokens it kept.
 
-This module knows the published layout (config.json + safetensors, optionally quantized the
+Layer kinds follow z-lab's reference: full-attention layers see the whole context and block;
+sliding layers (`layer_types`, `sliding_window`) see context keys less than the window before
+each block position and, unless config.json sets `is_causal`, no later block position.
+DFlash2 (`DFlash2DraftModel`) wraps each sub-layer in a dynamic convolution and picks drafts
+with a candidate selector chained over the block (engine.dflash2).
+
+This module knows the published layouts (config.json + safetensors, optionally quantized the
 way mlx-lm writes it), how to capture target features during an ordinary forward pass of an
 mlx-lm model, and a batched drafter state whose rows roll back on their own. The decoder
 decides what to do with the block logits (greedy argmax or the request's sampling law as q).
