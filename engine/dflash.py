@@ -9,7 +9,13 @@ concatenated, projected by `fc` + `hidden_norm`, and turned into keys and values
 drafter layer. Those keys and values are cached like a KV cache, so they roll back with the
 acceptance: after a verify pass the decoder appends the features of the tokens it kept.
 
-This module knows the published layout (config.json + safetensors, optionally quantized the
+Layer kinds follow z-lab's reference: full-attention layers see the whole context and block;
+sliding layers (`layer_types`, `sliding_window`) see context keys less than the window before
+each block position and, unless config.json sets `is_causal`, no later block position.
+DFlash2 (`DFlash2DraftModel`) wraps each sub-layer in a dynamic convolution and picks drafts
+with a candidate selector chained over the block (engine.dflash2).
+
+This module knows the published layouts (config.json + safetensors, optionally quantized the
 way mlx-lm writes it), how to capture target features during an ordinary forward pass of an
 mlx-lm model, and a batched drafter state whose rows roll back on their own. The decoder
 decides what to do with the block logits (greedy argmax or the request's sampling law as q).
@@ -29,15 +35,25 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .dflash2 import CODEBOOKS, CandidateSelector, GroupedDynamicConv, chain_noise
 from .types import ModelLoadError
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURE2 = "DFlash2DraftModel"
 GROW = 256  # context slots are allocated in steps of this many positions
+LAYER_TYPES = ("full_attention", "sliding_attention")
+#: Fields DFlash2 needs, at the top level of config.json or inside its dflash_config.
+DFLASH2_FIELDS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 
 
 @dataclass(frozen=True)
 class DFlashConfig:
-    """What a drafter's config.json says, in the names this module uses."""
+    """What a drafter's config.json says, in the names this module uses.
+
+    `kind` is "dflash" (z-lab's first layout) or "dflash2" (dynamic convolutions and a
+    candidate selector, engine.dflash2). `is_causal` None means z-lab's default: causal
+    attention inside the block in sliding layers, bidirectional in full ones.
+    """
 
     hidden_size: int
     num_hidden_layers: int
@@ -56,15 +72,52 @@ class DFlashConfig:
     layer_types: tuple[str, ...] | None = None
     sliding_window: int | None = None
     rope_scaling: dict | None = None
+    kind: str = "dflash"
+    is_causal: bool | None = None
+    rope_is_neox_style: bool = True
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    conv_kernel_size: int = 0
+    conv_group_size: int = 0
+    selector_rank: int = 0
+    selector_top_k: int = 0
+
+    @property
+    def name(self) -> str:
+        """The kind as messages spell it: DFlash or DFlash2."""
+        return "DFlash2" if self.kind == "dflash2" else "DFlash"
 
     @classmethod
-    def from_dict(cls, cfg: dict) -> DFlashConfig:
-        """Read a published config.json dict; raises ModelLoadError naming a missing field."""
+    def from_dict(cls, cfg: dict, kind: str = "dflash") -> DFlashConfig:
+        """Read a published config.json dict; raises ModelLoadError naming a missing,
+        unknown or bad field."""
+        name = "DFlash2" if kind == "dflash2" else "DFlash"
         dcfg = cfg.get("dflash_config") or {}
+
+        def get(key, default=None):
+            # dflash_config wins over the top level, as in z-lab's and mlx-vlm's readers.
+            return dcfg.get(key, cfg.get(key, default))
+
+        _check_layout(cfg, name)
+        if kind == "dflash2":
+            for key in DFLASH2_FIELDS:
+                if get(key) is None:
+                    raise ModelLoadError(
+                        f"DFlash2 config.json: missing field {key!r} (top level or in dflash_config)"
+                    )
+        for key in ("block_size", "mask_token_id", "target_layer_ids"):
+            if get(key) is None:
+                raise ModelLoadError(
+                    f"{name} config.json: missing field {key!r} (top level or in dflash_config)"
+                )
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = cfg.get("rope_theta", rope.pop("rope_theta", 10000.0))
+        softcap = get("final_logit_softcapping")
         try:
-            block = cfg.get("block_size", dcfg.get("block_size"))
             heads = int(cfg["num_attention_heads"])
             hidden = int(cfg["hidden_size"])
+            causal = get("is_causal")
             return cls(
                 hidden_size=hidden,
                 num_hidden_layers=int(cfg["num_hidden_layers"]),
@@ -74,20 +127,30 @@ class DFlashConfig:
                 intermediate_size=int(cfg["intermediate_size"]),
                 vocab_size=int(cfg["vocab_size"]),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-                rope_theta=float(cfg.get("rope_theta", 10000.0)),
+                rope_theta=float(theta),
                 max_position_embeddings=int(cfg.get("max_position_embeddings", 32768)),
-                block_size=int(block),
-                mask_token_id=int(dcfg["mask_token_id"]),
-                target_layer_ids=tuple(int(i) for i in dcfg["target_layer_ids"]),
-                num_target_layers=cfg.get("num_target_layers"),
+                block_size=int(get("block_size")),
+                mask_token_id=int(get("mask_token_id")),
+                target_layer_ids=tuple(int(i) for i in get("target_layer_ids")),
+                num_target_layers=get("num_target_layers"),
                 layer_types=tuple(cfg["layer_types"]) if cfg.get("layer_types") else None,
                 sliding_window=cfg.get("sliding_window"),
-                rope_scaling=cfg.get("rope_scaling"),
+                rope_scaling=cfg.get("rope_scaling") or (rope or None),
+                kind=kind,
+                is_causal=None if causal is None else bool(causal),
+                rope_is_neox_style=bool(get("rope_is_neox_style", True)),
+                input_embedding_scale=float(get("input_embedding_scale", 1.0)),
+                output_multiplier=float(get("output_multiplier", 1.0)),
+                final_logit_softcapping=None if softcap is None else float(softcap),
+                conv_kernel_size=int(get("conv_kernel_size", 0)),
+                conv_group_size=int(get("conv_group_size", 0)),
+                selector_rank=int(get("selector_rank", 0)),
+                selector_top_k=int(get("selector_top_k", 0)),
             )
         except KeyError as exc:
-            raise ModelLoadError(f"DFlash config.json: missing field {exc.args[0]!r}") from exc
+            raise ModelLoadError(f"{name} config.json: missing field {exc.args[0]!r}") from exc
         except (TypeError, ValueError) as exc:
-            raise ModelLoadError(f"DFlash config.json: bad value: {exc}") from exc
+            raise ModelLoadError(f"{name} config.json: bad value: {exc}") from exc
 
     def window_of(self, layer: int) -> int | None:
         """The sliding window of drafter layer `layer`, or None for full attention."""
@@ -95,12 +158,39 @@ class DFlashConfig:
             return self.sliding_window
         return None
 
+    def causal_of(self, layer: int) -> bool:
+        """Whether block position j attends only to block positions <= j in `layer`."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.window_of(layer) is not None
+
+
+def _check_layout(cfg: dict, name: str) -> None:
+    """Refuse layer kinds and options this module does not implement, naming the field."""
+    types = cfg.get("layer_types") or []
+    for i, t in enumerate(types):
+        if t not in LAYER_TYPES:
+            raise ModelLoadError(
+                f"{name} config.json: layer_types[{i}] is {t!r}, a layer kind specfleet does "
+                f"not know (known: {', '.join(LAYER_TYPES)})"
+            )
+    if "sliding_attention" in types and not cfg.get("sliding_window"):
+        raise ModelLoadError(
+            f"{name} config.json: missing field 'sliding_window' (layer_types has "
+            "sliding_attention layers)"
+        )
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{name} config.json: hidden_act {act!r} is not supported (silu)")
+    if cfg.get("attention_bias"):
+        raise ModelLoadError(f"{name} config.json: attention_bias true is not supported")
+
 
 # ----------------------------------------------------------------------------- the model
 
 
 class _Attention(nn.Module):
-    """Block queries against cached context keys plus the block's own keys (no causal mask)."""
+    """Block queries against cached context keys plus the block's own keys."""
 
     def __init__(self, c: DFlashConfig):
         super().__init__()
@@ -124,14 +214,14 @@ class _Attention(nn.Module):
         v = self.v_proj(x).reshape(b, n, self.n_kv_heads, -1).transpose(0, 2, 1, 3)
         return rope(k, offset=positions), v
 
-    def __call__(self, x, rope, positions, ctx_k, ctx_v, ctx_mask) -> mx.array:
+    def __call__(self, x, rope, positions, ctx_k, ctx_v, mask) -> mx.array:
+        """`mask` (B, 1, L, S + L) bool: the context's S keys, then the block's L."""
         b, n, _ = x.shape
         q = self.q_norm(self.q_proj(x).reshape(b, n, self.n_heads, -1)).transpose(0, 2, 1, 3)
         q = rope(q, offset=positions)
         k, v = self.keys_values(x, rope, positions)
         keys = mx.concatenate([ctx_k, k], axis=2)
         values = mx.concatenate([ctx_v, v], axis=2)
-        mask = mx.concatenate([ctx_mask, mx.ones((b, 1, n, n), dtype=mx.bool_)], axis=-1)
         out = mx.fast.scaled_dot_product_attention(q, keys, values, scale=self.scale, mask=mask)
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
@@ -154,14 +244,29 @@ class _Layer(nn.Module):
         self.mlp = _MLP(c)
         self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
+        self.convolved = c.kind == "dflash2"
+        if self.convolved:
+            self.attention_conv = GroupedDynamicConv(
+                c.hidden_size, c.conv_kernel_size, c.conv_group_size
+            )
+            self.mlp_conv = GroupedDynamicConv(c.hidden_size, c.conv_kernel_size, c.conv_group_size)
 
-    def __call__(self, x, rope, positions, ctx_k, ctx_v, ctx_mask) -> mx.array:
-        h = x + self.self_attn(self.input_layernorm(x), rope, positions, ctx_k, ctx_v, ctx_mask)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def __call__(self, x, rope, positions, ctx_k, ctx_v, mask) -> mx.array:
+        if not self.convolved:
+            h = x + self.self_attn(self.input_layernorm(x), rope, positions, ctx_k, ctx_v, mask)
+            return h + self.mlp(self.post_attention_layernorm(h))
+        # DFlash2: each sub-layer's input and output go through its dynamic convolution.
+        a, kernel = self.attention_conv.prepare(self.input_layernorm(x))
+        h = x + self.attention_conv.finish(
+            self.self_attn(a, rope, positions, ctx_k, ctx_v, mask), kernel
+        )
+        m, kernel = self.mlp_conv.prepare(self.post_attention_layernorm(h))
+        return h + self.mlp_conv.finish(self.mlp(m), kernel)
 
 
 class DFlashModel(nn.Module):
-    """The drafter's own weights (`fc`, `hidden_norm`, `layers.*`, `norm`), published names."""
+    """The drafter's own weights (`fc`, `hidden_norm`, `layers.*`, `norm`, and for DFlash2
+    `layers.*.attention_conv`, `layers.*.mlp_conv`, `candidate_selector`), published names."""
 
     def __init__(self, config: DFlashConfig):
         super().__init__()
@@ -171,12 +276,17 @@ class DFlashModel(nn.Module):
         self.hidden_norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.layers = [_Layer(config) for _ in range(config.num_hidden_layers)]
         self.norm = nn.RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        if config.kind == "dflash2":
+            self.candidate_selector = CandidateSelector(
+                config.vocab_size, config.hidden_size, config.selector_rank, config.selector_top_k
+            )
         from mlx_lm.models.rope_utils import initialize_rope
 
+        # MLX calls the interleaved (GPT-J) pairing "traditional"; Qwen-style is NeoX.
         self._rope = initialize_rope(
             config.head_dim,
             base=config.rope_theta,
-            traditional=False,
+            traditional=not config.rope_is_neox_style,
             scaling_config=config.rope_scaling,
             max_position_embeddings=config.max_position_embeddings,
         )
@@ -188,12 +298,12 @@ class DFlashModel(nn.Module):
         """Project target features (B, W, len(ids) * hidden) to the context stream."""
         return self.hidden_norm(self.fc(features))
 
-    def block_hidden(self, h: mx.array, positions, ctx_kv, ctx_masks) -> mx.array:
+    def block_hidden(self, h: mx.array, positions, ctx_kv, masks) -> mx.array:
         """Run the block embeddings `h` (B, L, hidden) through the layers; final norm applied.
 
-        ctx_kv[i] = (keys, values) of layer i's context, ctx_masks[i] (B, 1, L, S) bool.
+        ctx_kv[i] = (keys, values) of layer i's context, masks[i] (B, 1, L, S + L) bool.
         """
-        for layer, (k, v), m in zip(self.layers, ctx_kv, ctx_masks, strict=True):
+        for layer, (k, v), m in zip(self.layers, ctx_kv, masks, strict=True):
             h = layer(h, self.rope, positions, k, v, m)
         return self.norm(h)
 
@@ -266,13 +376,62 @@ class FeatureCapture:
 class DFlashDrafter:
     """A loaded DFlash drafter bound to its target's embeddings and LM head."""
 
-    kind = "dflash"
-
     def __init__(self, model: DFlashModel, target: nn.Module, path: str = ""):
         self.model = model
         self.config = model.config
+        self.kind = model.config.kind  # "dflash" or "dflash2": what statistics say
         self.path = path
         self.embed, self.lm_head = target_embed_and_head(target)
+
+    @property
+    def chained(self) -> bool:
+        """True for DFlash2: each draft is chosen given the draft before it."""
+        return self.kind == "dflash2"
+
+    def embed_block(self, ids: mx.array, embed: Any = None) -> mx.array:
+        """The target's raw token embeddings times `input_embedding_scale` (z-lab's rule)."""
+        h = (self.embed if embed is None else embed)(ids)
+        scale = self.config.input_embedding_scale
+        return h if scale == 1.0 else h * scale
+
+    def logits(self, hidden: mx.array, lm_head: Any = None) -> mx.array:
+        """The target's LM head on drafter states, times `output_multiplier`, soft-capped
+        at `final_logit_softcapping` when the config sets one."""
+        out = (self.lm_head if lm_head is None else lm_head)(hidden)
+        c = self.config
+        if c.output_multiplier != 1.0:
+            out = out * c.output_multiplier
+        if c.final_logit_softcapping:
+            cap = c.final_logit_softcapping
+            out = mx.tanh(out / cap) * cap
+        return out
+
+    def draft_chain(
+        self,
+        state: DFlashState,
+        last_tokens: list[int],
+        depth: int,
+        sampled: list[int],
+        params: list,
+        seeds: list[int],
+        positions: list[int],
+    ) -> tuple[mx.array, mx.array | None]:
+        """DFlash2: one block pass, then the candidate selector's chain over the first
+        `depth` positions. Rows `sampled` draw with params/seeds/positions (theirs, in
+        that order). Returns tokens (B, depth) and the sampled rows' laws (S, depth, V)."""
+        hidden = state.block_hidden(last_tokens)[:, :depth]
+        logits = self.logits(hidden)
+        noise = None
+        if sampled:
+            noise = chain_noise(seeds, positions, depth, logits.shape[-1])
+        anchors = mx.array(last_tokens, dtype=mx.uint32)
+        return self.model.candidate_selector.draft(hidden, logits, anchors, sampled, params, noise)
+
+    def greedy_block(self, state: DFlashState, last_tokens: list[int]) -> mx.array:
+        """Greedy drafts (B, block - 1) of one drafter pass: what a draft step costs."""
+        if self.chained:
+            return self.draft_chain(state, last_tokens, self.block_size - 1, [], [], [], [])[0]
+        return mx.argmax(state.block_logits(last_tokens), axis=-1)
 
     @property
     def block_size(self) -> int:
@@ -311,6 +470,9 @@ class DFlashDrafter:
         return {
             "drafter": self.kind,
             "block_size": self.block_size,
+            "sliding_window": self.config.sliding_window
+            if self.config.layer_types and ("sliding_attention" in self.config.layer_types)
+            else None,
             "target_layer_ids": list(self.config.target_layer_ids),
             "layers": self.config.num_hidden_layers,
             "parameters": sum(v.size for _, v in tree_flatten(self.model.parameters())),
@@ -335,6 +497,10 @@ class DFlashState:
         shape = (batch, c.num_key_value_heads, 0, c.head_dim)
         self.keys = [mx.zeros(shape) for _ in range(c.num_hidden_layers)]
         self.values = [mx.zeros(shape) for _ in range(c.num_hidden_layers)]
+        windows = [c.window_of(i) for i in range(c.num_hidden_layers)]
+        # A drafter whose every layer slides never sees a slot again once the row has moved
+        # `horizon` positions past it (rows only grow): such slots are let go.
+        self.horizon = None if None in windows else max(windows)
 
     @property
     def batch(self) -> int:
@@ -365,6 +531,10 @@ class DFlashState:
         self.positions = mx.concatenate([self.positions, new_pos.astype(mx.int32)], axis=1)
         self.length = self.length + keep_arr
         self.used += n
+        if self.horizon is not None:
+            self.valid = self.valid & (self.length[:, None] - self.positions < self.horizon)
+            if self.used >= self.horizon + GROW:
+                self._drop_dead_head(least=GROW)
 
     def _write(self, i: int, k: mx.array, v: mx.array) -> None:
         start, n = self.used, k.shape[2]
@@ -379,6 +549,40 @@ class DFlashState:
     def _context(self, i: int) -> tuple[mx.array, mx.array]:
         return self.keys[i][..., : self.used, :], self.values[i][..., : self.used, :]
 
+    def block_hidden(self, last_tokens: list[int], embed: Any = None) -> mx.array:
+        """One drafter pass over [last token, mask x (block-1)] per row: the final-normed
+        states (B, block_size - 1, hidden) of block positions 1..block-1."""
+        model, c = self.drafter.model, self.drafter.config
+        if len(last_tokens) != self.batch:
+            raise ValueError(f"block_logits: {len(last_tokens)} last tokens for {self.batch} rows")
+        bs = c.block_size
+        ids = mx.array([[t] + [c.mask_token_id] * (bs - 1) for t in last_tokens], dtype=mx.int32)
+        h = self.drafter.embed_block(ids, embed)
+        qpos = self.length[:, None] + mx.arange(bs)[None, :]  # (B, bs)
+        ctx_kv, masks = [], []
+        for i in range(c.num_hidden_layers):
+            ctx_kv.append(self._context(i))
+            masks.append(self._mask(i, qpos)[:, None])
+        return model.block_hidden(h, self.length, ctx_kv, masks)[:, 1:]
+
+    def _mask(self, layer: int, qpos: mx.array) -> mx.array:
+        """(B, block, used + block) bool: which context slots and block positions each block
+        position of `layer` sees (z-lab's rule: a sliding layer sees keys less than
+        `sliding_window` positions away; a causal one no later block position)."""
+        c = self.drafter.config
+        bs = c.block_size
+        ctx = mx.broadcast_to(self.valid[:, None, :], (self.batch, bs, self.used))
+        block = mx.ones((bs, bs), dtype=mx.bool_)
+        window = c.window_of(layer)
+        if window is not None:
+            ctx = ctx & (qpos[:, :, None] - self.positions[:, None, :] < window)
+            j = mx.arange(bs)
+            block = block & (mx.abs(j[:, None] - j[None, :]) < window)
+        if c.causal_of(layer):
+            block = block & (mx.arange(bs)[None, :] <= mx.arange(bs)[:, None])
+        block = mx.broadcast_to(block[None], (self.batch, bs, bs))
+        return mx.concatenate([ctx, block], axis=-1)
+
     def block_logits(
         self, last_tokens: list[int], embed: Any = None, lm_head: Any = None
     ) -> mx.array:
@@ -388,26 +592,7 @@ class DFlashState:
         predicts the j-th token after `last_tokens[i]`. `embed` and `lm_head` default to the
         target's, bound at load.
         """
-        model, c = self.drafter.model, self.drafter.config
-        embed = self.drafter.embed if embed is None else embed
-        lm_head = self.drafter.lm_head if lm_head is None else lm_head
-        if len(last_tokens) != self.batch:
-            raise ValueError(f"block_logits: {len(last_tokens)} last tokens for {self.batch} rows")
-        bs = c.block_size
-        ids = mx.array([[t] + [c.mask_token_id] * (bs - 1) for t in last_tokens], dtype=mx.int32)
-        h = embed(ids)
-        qpos = self.length[:, None] + mx.arange(bs)[None, :]  # (B, bs)
-        ctx_kv, masks = [], []
-        for i in range(c.num_hidden_layers):
-            ctx_kv.append(self._context(i))
-            mask = mx.broadcast_to(self.valid[:, None, :], (self.batch, bs, self.used))
-            window = c.window_of(i)
-            if window is not None:
-                near = qpos[:, :, None] - self.positions[:, None, :] < window
-                mask = mask & near
-            masks.append(mask[:, None])
-        out = model.block_hidden(h, self.length, ctx_kv, masks)
-        return lm_head(out[:, 1:])
+        return self.drafter.logits(self.block_hidden(last_tokens, embed), lm_head)
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows, in this order (rows that finished leave)."""
@@ -441,12 +626,13 @@ class DFlashState:
         values = [mx.pad(self._context(i)[1], pad4) for i in range(len(self.keys))]
         return mx.pad(self.valid, pad2), mx.pad(self.positions, pad2), keys, values
 
-    def _drop_dead_head(self) -> None:
+    def _drop_dead_head(self, least: int = 1) -> None:
+        # Drops the leading slots no row uses, when there are at least `least` of them.
         if self.used == 0:
             return
         alive = mx.any(self.valid, axis=0).tolist()
         start = next((i for i, a in enumerate(alive) if a), len(alive))
-        if start:
+        if start >= least:
             self.valid, self.positions = self.valid[:, start:], self.positions[:, start:]
             self.keys = [k[..., start : self.used, :] for k in self.keys]
             self.values = [v[..., start : self.used, :] for v in self.values]
@@ -473,14 +659,32 @@ class DFlashState:
 # ----------------------------------------------------------------------------- loading
 
 
-def is_dflash_dir(path: str | Path) -> bool:
-    """True when `path`/config.json names the DFlashDraftModel architecture."""
-    cfg = Path(path).expanduser() / "config.json"
+def _read_config(path: str | Path) -> dict | None:
     try:
-        archs = json.loads(cfg.read_text()).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
+        cfg = json.loads((Path(path).expanduser() / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def drafter_kind(cfg: dict) -> str | None:
+    """ "dflash2", "dflash", or None when config.json names neither layout."""
+    archs = cfg.get("architectures") or []
+    if ARCHITECTURE2 in archs or cfg.get("model_type") == "dflash2":
+        return "dflash2"
+    if ARCHITECTURE in archs:
+        return "dflash"
+    return None
+
+
+def is_dflash_dir(path: str | Path) -> bool:
+    """True when `path`/config.json is a DFlash-family drafter: it names DFlashDraftModel
+    or DFlash2DraftModel, or it has a `dflash_config` (a layout load_dflash refuses by
+    name rather than loading it as a language model)."""
+    cfg = _read_config(path)
+    if cfg is None:
         return False
-    return ARCHITECTURE in archs
+    return drafter_kind(cfg) is not None or isinstance(cfg.get("dflash_config"), dict)
 
 
 def _target_width_and_vocab(target: nn.Module, target_config: dict) -> tuple[int, int]:
@@ -497,68 +701,97 @@ def _target_width_and_vocab(target: nn.Module, target_config: dict) -> tuple[int
 
 def check_against_target(config: DFlashConfig, target: nn.Module, target_config: dict) -> None:
     """Raise ModelLoadError when the drafter was not made for this target (both values named)."""
+    name = config.name
     n_layers = len(target_layers(target))
     hidden, vocab = _target_width_and_vocab(target, target_config)
     for i in config.target_layer_ids:
         if not 0 <= i < n_layers:
             raise ModelLoadError(
-                f"DFlash drafter reads target layer {i}, but the target has {n_layers} layers "
+                f"{name} drafter reads target layer {i}, but the target has {n_layers} layers "
                 f"(0..{n_layers - 1})"
             )
+    if len(set(config.target_layer_ids)) != len(config.target_layer_ids):
+        raise ModelLoadError(
+            f"{name} target_layer_ids {list(config.target_layer_ids)} name a layer twice"
+        )
     if config.num_target_layers is not None and int(config.num_target_layers) != n_layers:
         raise ModelLoadError(
-            f"DFlash drafter was made for a target of {config.num_target_layers} layers, "
+            f"{name} drafter was made for a target of {config.num_target_layers} layers, "
             f"the target has {n_layers}"
         )
     if config.hidden_size != hidden:
         raise ModelLoadError(
-            f"DFlash drafter hidden_size {config.hidden_size} differs from the target's "
+            f"{name} drafter hidden_size {config.hidden_size} differs from the target's "
             f"hidden_size {hidden}"
         )
     if config.vocab_size != vocab:
         raise ModelLoadError(
-            f"DFlash drafter vocab_size {config.vocab_size} differs from the target's "
+            f"{name} drafter vocab_size {config.vocab_size} differs from the target's "
             f"vocab_size {vocab}"
         )
     if not 0 <= config.mask_token_id < vocab:
         raise ModelLoadError(
-            f"DFlash mask_token_id {config.mask_token_id} is outside the target's vocabulary "
+            f"{name} mask_token_id {config.mask_token_id} is outside the target's vocabulary "
             f"(0..{vocab - 1})"
         )
     if config.block_size < 2:
-        raise ModelLoadError(f"DFlash block_size must be >= 2, got {config.block_size}")
+        raise ModelLoadError(f"{name} block_size must be >= 2, got {config.block_size}")
+    if config.kind == "dflash2":
+        if config.hidden_size % config.conv_group_size:
+            raise ModelLoadError(
+                f"DFlash2 conv_group_size {config.conv_group_size} does not divide "
+                f"hidden_size {config.hidden_size}"
+            )
+        for key in DFLASH2_FIELDS:
+            if getattr(config, key) < 1:
+                raise ModelLoadError(f"DFlash2 {key} must be >= 1, got {getattr(config, key)}")
+        if config.selector_top_k > vocab:
+            raise ModelLoadError(
+                f"DFlash2 selector_top_k {config.selector_top_k} exceeds the target's "
+                f"vocab_size {vocab}"
+            )
     if config.layer_types and len(config.layer_types) != config.num_hidden_layers:
         raise ModelLoadError(
-            f"DFlash layer_types has {len(config.layer_types)} entries for "
+            f"{name} layer_types has {len(config.layer_types)} entries for "
             f"{config.num_hidden_layers} layers"
         )
 
 
-def _read_weights(path: Path) -> dict:
+def _read_weights(path: Path, name: str = "DFlash") -> dict:
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise ModelLoadError(f"DFlash drafter {path}: no *.safetensors files")
+        raise ModelLoadError(f"{name} drafter {path}: no *.safetensors files")
     weights = {}
     for f in files:
         weights.update(mx.load(str(f)))
     # Some exports nest the drafter's weights under "model."; the names inside are the same.
-    return {k.removeprefix("model."): v for k, v in weights.items()}
+    weights = {k.removeprefix("model."): v for k, v in weights.items()}
+    for key in CODEBOOKS:  # DFlash2 stores its codebooks as bare tensors
+        if key in weights:
+            weights[f"{key}.weight"] = weights.pop(key)
+    return weights
 
 
 def load_dflash(path: str | Path, target_model: nn.Module, target_config: dict) -> DFlashDrafter:
     """Load a DFlash drafter in the published layout and bind it to `target_model`.
 
+    Both layouts load: DFlashDraftModel and DFlash2DraftModel (`drafter.kind` says which).
     Quantized drafters (config `quantization` as mlx-lm writes it) load too. On the CPU
     backend float weights are cast to float32. Raises ModelLoadError when the directory is
     not a DFlash drafter, its files are incomplete, or it does not fit the target.
     """
     path = Path(path).expanduser()
-    if not is_dflash_dir(path):
-        raise ModelLoadError(f"{path} is not a DFlash drafter (config.json architectures)")
-    raw = json.loads((path / "config.json").read_text())
-    config = DFlashConfig.from_dict(raw)
+    raw = _read_config(path)
+    kind = drafter_kind(raw) if raw is not None else None
+    if kind is None:
+        archs = (raw or {}).get("architectures")
+        raise ModelLoadError(
+            f"{path}/config.json: architectures {archs!r} is not a drafter layout specfleet "
+            f"knows ({ARCHITECTURE}, {ARCHITECTURE2})"
+        )
+    config = DFlashConfig.from_dict(raw, kind)
     check_against_target(config, target_model, target_config)
-    weights = _read_weights(path)
+    weights = _read_weights(path, config.name)
     model = DFlashModel(config)
     quant = raw.get("quantization") or raw.get("quantization_config")
     if quant:
@@ -571,7 +804,9 @@ def load_dflash(path: str | Path, target_model: nn.Module, target_config: dict) 
     try:
         model.load_weights(list(weights.items()), strict=True)
     except ValueError as exc:
-        raise ModelLoadError(f"DFlash drafter {path}: weights do not match config: {exc}") from exc
+        raise ModelLoadError(
+            f"{config.name} drafter {path}: weights do not match config: {exc}"
+        ) from exc
     if mx.default_device() == mx.cpu:
         from mlx.utils import tree_map
 
@@ -584,7 +819,10 @@ def load_dflash(path: str | Path, target_model: nn.Module, target_config: dict) 
 
 
 def save_dflash(model: DFlashModel, path: str | Path, extra: dict | None = None) -> None:
-    """Write `model` in the published layout: config.json and model.safetensors."""
+    """Write `model` in the published layout: config.json and model.safetensors.
+
+    A DFlash2 model is written as z-lab's checkpoints are: architectures
+    DFlash2DraftModel, its own fields inside dflash_config, bare codebook tensors."""
     from mlx.utils import tree_flatten
 
     path = Path(path)
@@ -617,7 +855,27 @@ def save_dflash(model: DFlashModel, path: str | Path, extra: dict | None = None)
     if c.layer_types:
         cfg["layer_types"] = list(c.layer_types)
         cfg["sliding_window"] = c.sliding_window
+    if c.is_causal is not None:
+        cfg["is_causal"] = c.is_causal
+    dcfg = cfg["dflash_config"]
+    for key, default in (
+        ("output_multiplier", 1.0),
+        ("input_embedding_scale", 1.0),
+        ("final_logit_softcapping", None),
+    ):
+        if getattr(c, key) != default:
+            dcfg[key] = getattr(c, key)
+    if not c.rope_is_neox_style:
+        cfg["rope_is_neox_style"] = False
+    if c.kind == "dflash2":
+        cfg["architectures"] = [ARCHITECTURE2]
+        dcfg["block_size"] = cfg.pop("block_size")
+        for key in DFLASH2_FIELDS:
+            dcfg[key] = getattr(c, key)
     weights = {k: v for k, v in tree_flatten(model.parameters()) if not k.startswith("_")}
+    for key in CODEBOOKS:
+        if f"{key}.weight" in weights:
+            weights[key] = weights.pop(f"{key}.weight")
     mx.save_safetensors(str(path / "model.safetensors"), weights, metadata={"format": "mlx"})
     (path / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
 
@@ -651,7 +909,7 @@ def greedy_reference(
     last = int(mx.argmax(logits[0, -1]).item())
     out, accepted = [last], []
     while len(out) < max_tokens:
-        drafts = mx.argmax(state.block_logits([last])[0], axis=-1).tolist()
+        drafts = drafter.greedy_block(state, [last])[0].tolist()
         with drafter.capture(target) as cap:
             logits = target(mx.array([[last] + drafts]), cache=cache)
             feats = cap.features

@@ -310,6 +310,8 @@ class DFlashProposer:
         self.depth = self.depth_run = 1 if depth else 0
         if depth == 0:
             return {}, {}
+        if getattr(self.drafter, "chained", False):
+            return self._propose_chain(want, positions, last, depth)
         logits = self.drafter_logits([last[k] for k in self.keys])[:, :depth]
         greedy = mx.argmax(logits, axis=-1).tolist()
         sampled = [i for i, key in enumerate(self.keys) if not self.params[key].greedy]
@@ -334,6 +336,31 @@ class DFlashProposer:
                 continue
             drafts[key] = drawn[key][:k]
             q[key] = laws[law_of[key], :k]
+        return drafts, q
+
+    def _propose_chain(self, want: dict, positions: dict, last: dict, depth: int):
+        """DFlash2: the candidate selector picks each draft given the one before; a sampled
+        row's law at position j is conditional on its drafts before j."""
+        sampled = [i for i, key in enumerate(self.keys) if not self.params[key].greedy]
+        keys = [self.keys[i] for i in sampled]
+        tokens, laws = self.drafter.draft_chain(
+            self.state,
+            [last[k] for k in self.keys],
+            depth,
+            sampled,
+            [self.params[k] for k in keys],
+            [self.seeds[k] for k in keys],
+            [positions[k] for k in keys],
+        )
+        table = tokens.tolist()
+        law_of = {k: j for j, k in enumerate(keys)}
+        drafts, q = {}, {}
+        for i, key in enumerate(self.keys):
+            k = min(want.get(key, 0), depth)
+            if k:
+                drafts[key] = table[i][:k]
+                if key in law_of:
+                    q[key] = laws[law_of[key], :k]
         return drafts, q
 
     def drafter_logits(self, last_tokens: list[int]) -> mx.array:

@@ -55,6 +55,10 @@ class ModelPair:
             "name": self.name,
             "target": self.target_path,
             "draft": self.draft_path,
+            # What drafts for drafter "model": a draft LM, or the block drafter's kind.
+            "draft_kind": (
+                self.dflash.kind if self.dflash is not None else ("model" if self.draft else None)
+            ),
             "target_parameters": _num_params(self.target),
             "draft_parameters": _num_params(self.draft) if self.draft is not None else 0,
             "context_length": self.context_length,

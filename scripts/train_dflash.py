@@ -174,6 +174,8 @@ def drafter_loss(model, embed, head, feats, t_logp, windows, anchors, args, weig
     ctx_kv, masks = [], []
     visible = (mx.arange(t)[None, :] < flat[:, None])[:, None, None, :]  # context < block start
     visible = mx.broadcast_to(visible, (b * nb, 1, bs, t))
+    # ... and the whole block (the first layout's full-attention layers are bidirectional)
+    visible = mx.concatenate([visible, mx.ones((b * nb, 1, bs, bs), dtype=mx.bool_)], axis=-1)
     for layer in model.layers:
         k, v = layer.self_attn.keys_values(ctx, model.rope, 0)
         ctx_kv.append((k[row], v[row]))

@@ -304,7 +304,8 @@ def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
         return Check(
             "OK",
             "pair",
-            f"{what}; draft: DFlash block drafter, block size {d['block_size']}, "
+            f"{what}; draft: {pair.dflash.config.name} block drafter ({d['drafter']}), "
+            f"block size {d['block_size']}, "
             f"{d['parameters'] / 1e6:.3g}M parameters, reads target layers "
             f"{', '.join(map(str, d['target_layer_ids']))}",
         ), pair
@@ -335,7 +336,7 @@ def check_features(pair) -> Check:
     if f.draft_layers:
         layers += f"; draft layers: {kinds(f.draft_layers)}"
     if pair.dflash is not None:
-        layers += f"; draft: DFlash, block size {pair.dflash.block_size}"
+        layers += f"; draft: {pair.dflash.config.name}, block size {pair.dflash.block_size}"
     batching = "batching exact" if f.batching else "no batching"
     return Check("OK", "features", f"drafters {', '.join(f.drafters)}; {batching}; {layers}")
 
