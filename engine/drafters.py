@@ -244,6 +244,16 @@ class ModelProposer:
         return next(m.pending for m in self.members if m.key == key)
 
 
+def feature_proposer(drafter, target_vocab: int):
+    """The proposer for a drafter that reads the target's hidden states: a DFlash block
+    drafter, or the target's own MTP head (engine.mtp)."""
+    if getattr(drafter, "kind", None) == "mtp":
+        from .mtp import MTPProposer
+
+        return MTPProposer(drafter, target_vocab)
+    return DFlashProposer(drafter, target_vocab)
+
+
 class DFlashProposer:
     """Batched drafting with a DFlash block drafter: one drafter pass per step proposes
     up to block_size - 1 tokens for every row, read off the target's own hidden states.
@@ -281,7 +291,7 @@ class DFlashProposer:
     def admit_state(self, state, rows: list[tuple[object, sampling.SamplingParams, int]]) -> None:
         """Rows (key, params, seed) joining, with the context their prefill passes built."""
         self.state.append(state)
-        for key, params, seed in rows:
+        for key, params, seed, *_ in rows:  # (key, params, seed, prompt ids)
             self.keys.append(key)
             self.params[key], self.seeds[key] = params, seed
 

@@ -129,7 +129,7 @@ class RequestRun:
             self.plan = pair.controller.plan(self.drafter, self.params.greedy)
         # "model" is the worker's draft, whatever its kind; statistics name the kind.
         self.stats = SpecStats(
-            drafter="dflash" if dflash and self.drafter == "model" else self.drafter
+            drafter=pair.dflash.kind if dflash and self.drafter == "model" else self.drafter
         )
         self.stops = request.stop_strings()
         self.hold = max((len(s) for s in self.stops), default=1) - 1

@@ -1,0 +1,433 @@
+"""Native multi-token-prediction (MTP) heads: the target drafts with its own extra layer.
+
+Qwen3.5/3.6 checkpoints ship `mtp.*` weights (`mtp_num_hidden_layers` in the text config)
+that mlx-lm's loader drops. The head reads a pair per position i: the target's final
+(normed) hidden state h_i and the embedding of the token x_{i+1} after it; both are
+RMS-normed (`pre_fc_norm_hidden`, `pre_fc_norm_embedding`), concatenated embedding first,
+projected by `fc` (2 x hidden -> hidden), run through full-attention decoder layers of the
+target's own kind (with a KV cache over earlier pairs) and a final `norm`; the target's LM
+head then predicts x_{i+2}. Further drafts chain the head's own output in place of h.
+
+So drafting K tokens costs K head passes (priced like a draft LM, not like a block
+drafter). The head's cache holds only pairs built from the target's hidden states: after a
+verify pass the chained entries are dropped and the accepted tokens are read again with
+the target's hidden states of the verify pass, as the head was trained.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten, tree_map
+
+from .dflash import target_embed_and_head, target_layers
+from .drafters import PREFILL_CHUNK, ModelProposer, _Member
+from .types import ModelLoadError
+
+#: What `--draft` says to draft with the target's own MTP head.
+MTP_SPEC = "mtp"
+#: Target model types whose MTP head this module reads (dense layers).
+MTP_MODEL_TYPES = ("qwen3_5",)
+
+_NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
+
+
+def is_mtp_spec(draft) -> bool:
+    """True when `--draft` names the target's own MTP head rather than a directory."""
+    return isinstance(draft, str) and draft.strip().lower() == MTP_SPEC
+
+
+class MTPHead(nn.Module):
+    """The head's own weights under their published names (without the `mtp.` prefix)."""
+
+    def __init__(self, text_config: dict, num_layers: int):
+        super().__init__()
+        from mlx_lm.models.qwen3_5 import DecoderLayer, TextModelArgs
+
+        # Every MTP layer is a full-attention layer of the target's kind.
+        args = TextModelArgs.from_dict({**text_config, "full_attention_interval": 1})
+        hidden, eps = args.hidden_size, args.rms_norm_eps
+        self.hidden_size = hidden
+        self.fc = nn.Linear(2 * hidden, hidden, bias=False)
+        self.pre_fc_norm_embedding = nn.RMSNorm(hidden, eps=eps)
+        self.pre_fc_norm_hidden = nn.RMSNorm(hidden, eps=eps)
+        self.layers = [DecoderLayer(args, layer_idx=0) for _ in range(num_layers)]
+        self.norm = nn.RMSNorm(hidden, eps=eps)
+
+    def make_cache(self) -> list:
+        from mlx_lm.models.cache import KVCache
+
+        return [KVCache() for _ in self.layers]
+
+    def __call__(self, embeds: mx.array, hidden: mx.array, cache=None) -> mx.array:
+        """Head outputs (B, L, hidden), normed, for pairs (hidden_i, embedding of x_{i+1})."""
+        from mlx_lm.models.base import create_attention_mask
+
+        h = mx.concatenate(
+            [self.pre_fc_norm_embedding(embeds), self.pre_fc_norm_hidden(hidden)], axis=-1
+        )
+        h = self.fc(h)
+        cache = cache if cache is not None else [None] * len(self.layers)
+        mask = create_attention_mask(h, cache[0])
+        for layer, c in zip(self.layers, cache, strict=True):
+            h = layer(h, mask=mask, cache=c)
+        return self.norm(h)
+
+
+class _LastLayerHook:
+    """Stands in for the target's last decoder layer and keeps its output."""
+
+    def __init__(self, layer, store: list):
+        self._layer, self._store = layer, store
+
+    def __call__(self, *args, **kwargs):
+        out = self._layer(*args, **kwargs)
+        self._store[0] = out
+        return out
+
+    def __getattr__(self, name):
+        return getattr(self._layer, name)
+
+
+class HiddenCapture:
+    """The target's final normed hidden states (what its LM head reads) of the latest pass."""
+
+    def __init__(self, norm):
+        self._norm = norm
+        self._out: list = [None]
+
+    @property
+    def features(self) -> mx.array:
+        """(B, T, hidden); raises RuntimeError when no target pass ran inside the capture."""
+        if self._out[0] is None:
+            raise RuntimeError("no target forward pass ran inside the capture")
+        return self._norm(self._out[0])
+
+
+class PrefillHidden:
+    """Hidden states of rows being prefilled, collected pass by pass (`extend`)."""
+
+    def __init__(self, batch: int):
+        self.parts: list[list[mx.array]] = [[] for _ in range(batch)]
+
+    def extend(self, features: mx.array, keep: list[int]) -> None:
+        for i, k in enumerate(keep):
+            if k:
+                self.parts[i].append(features[i, :k])
+
+
+class MTPDrafter:
+    """A loaded MTP head bound to its target's embeddings, final norm and LM head."""
+
+    kind = "mtp"
+    block = False  # K drafts cost K head passes
+
+    def __init__(self, head: MTPHead, target: nn.Module, path: str):
+        self.head = head
+        self.path = path
+        self.embed, self.lm_head = target_embed_and_head(target)
+        self.final_norm = _inner(target).norm
+
+    @contextmanager
+    def capture(self, target: nn.Module) -> Iterator[HiddenCapture]:
+        """Inside the block, target forwards record their final hidden states."""
+        layers = target_layers(target)
+        original = layers[-1]
+        cap = HiddenCapture(self.final_norm)
+        try:
+            layers[-1] = _LastLayerHook(original, cap._out)
+            yield cap
+        finally:
+            layers[-1] = original
+
+    def new_state(self, batch: int = 0) -> PrefillHidden:
+        return PrefillHidden(batch)
+
+    def step(self, tokens: mx.array, hidden: mx.array, cache) -> mx.array:
+        """Head outputs for token ids (B, L) paired with hidden states (B, L, hidden)."""
+        return self.head(self.embed(tokens), hidden, cache)
+
+    def info(self) -> dict:
+        """Facts for logs and `spec-doctor`."""
+        return {
+            "drafter": self.kind,
+            "layers": len(self.head.layers),
+            "parameters": sum(v.size for _, v in tree_flatten(self.head.parameters())),
+            "source": f"{self.path} (mtp.* weights)",
+        }
+
+    def measure_costs(self, target, sizes=(1, 2, 4, 8, 16, 32), reps: int = 2):
+        """Seconds of one head pass plus the LM head for b rows (adaptive.PassCosts)."""
+        from .adaptive import PassCosts
+        from .families import make_ragged_cache
+
+        points = {}
+        for b in sizes:
+            rows, cache = make_ragged_cache(self.head, b)
+            hidden = mx.zeros((b, 32, self.head.hidden_size))
+            self.step(mx.ones((b, 32), dtype=mx.int32), hidden, cache)
+            rows.advance(32, [32] * b)
+            best = float("inf")
+            for _ in range(reps + 1):
+                t0 = time.perf_counter()
+                out = self.step(mx.ones((b, 1), dtype=mx.int32), hidden[:, :1], cache)
+                mx.eval(self.lm_head(out))
+                best = min(best, time.perf_counter() - t0)
+                rows.advance(1, [1] * b)
+            points[b] = best
+        return PassCosts(points)
+
+
+def _inner(target: nn.Module):
+    """The text model holding embed_tokens, layers and the final norm."""
+    for holder in (getattr(target, "language_model", None), target):
+        inner = getattr(holder, "model", None) if holder is not None else None
+        if inner is not None and "norm" in inner:
+            return inner
+    raise ModelLoadError(f"cannot find the final norm of {type(target).__name__}")
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _mtp_name(key: str) -> str | None:
+    """The head-relative name of a checkpoint tensor, or None when it is not the head's."""
+    for prefix in ("mtp.", "model.mtp.", "language_model.mtp.", "model.language_model.mtp."):
+        if key.startswith(prefix):
+            return key[len(prefix) :]
+    return None
+
+
+def _weight_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.exists():  # read only the shards that hold the head
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        names = sorted({f for k, f in weight_map.items() if _mtp_name(k) is not None})
+        return [path / n for n in names]
+    return sorted(path.glob("*.safetensors"))
+
+
+def _hf_layout(weights: dict) -> bool:
+    # Hugging Face Qwen3.5 files store RMSNorm weights as offsets from 1 (and conv1d
+    # kernels last); mlx-lm shifts the target's norms by the same test.
+    return any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in weights.items())
+
+
+def load_mtp(target_path: str, target: nn.Module, config: dict) -> MTPDrafter:
+    """The MTP head inside the target checkpoint at `target_path`, bound to `target`.
+
+    Raises ModelLoadError in one line naming what is missing: a target type without a
+    head this module reads, no `mtp_num_hidden_layers`, no `mtp.*` tensors (converted
+    checkpoints drop them), or tensors that do not match the config.
+    """
+    path = Path(target_path).expanduser()
+    text = config.get("text_config") or config
+    model_type = config.get("model_type")
+    where = f"--draft mtp: target {target_path}"
+    if model_type not in MTP_MODEL_TYPES:
+        raise ModelLoadError(
+            f"{where}: model_type {model_type!r} has no MTP head this engine reads "
+            f"(it reads {', '.join(MTP_MODEL_TYPES)})"
+        )
+    if int(text.get("num_experts") or 0) > 0:
+        raise ModelLoadError(
+            f"{where}: text_config.num_experts {text['num_experts']}: MTP heads of "
+            "mixture-of-experts targets are not supported yet"
+        )
+    layers = int(text.get("mtp_num_hidden_layers") or 0)
+    if layers <= 0:
+        raise ModelLoadError(
+            f"{where}: config has no text_config.mtp_num_hidden_layers: this checkpoint "
+            "has no MTP head (use --draft DIR with a draft model or drafter)"
+        )
+    files = _weight_files(path)
+    weights, layout = {}, {}
+    for f in files:
+        for key, value in mx.load(str(f)).items():
+            layout[key] = value
+            name = _mtp_name(key)
+            if name is not None:
+                weights[name] = value
+    if not weights:
+        raise ModelLoadError(
+            f"{where}: config says mtp_num_hidden_layers {layers} but the safetensors hold "
+            "no mtp.* tensors (mlx-lm conversions drop them; use the original checkpoint)"
+        )
+    if _hf_layout(layout):
+        weights = {
+            k: v + 1.0 if k.endswith(_NORM_SUFFIXES) and v.ndim == 1 else v
+            for k, v in weights.items()
+        }
+    head = MTPHead(text, layers)
+    quant = config.get("quantization") or config.get("quantization_config")
+    if quant and any(k.endswith(".scales") for k in weights):
+        nn.quantize(
+            head,
+            group_size=int(quant.get("group_size", 64)),
+            bits=int(quant.get("bits", 4)),
+            class_predicate=lambda p, m: f"{p}.scales" in weights,
+        )
+    try:
+        head.load_weights(list(weights.items()), strict=True)
+    except ValueError as exc:
+        msg = " ".join(str(exc).split())
+        raise ModelLoadError(f"{where}: mtp.* tensors do not match the config: {msg}") from exc
+    if mx.default_device() == mx.cpu:  # fp16/bf16 matmuls bypass BLAS on the CPU
+
+        def cast(x):
+            return x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x
+
+        head.update(tree_map(cast, head.parameters()))
+    mx.eval(head.parameters())
+    return MTPDrafter(head, target, str(target_path))
+
+
+# ----------------------------------------------------------------------------- drafting
+
+
+@dataclass
+class _HeadMember(_Member):
+    """A row: `pending` tokens not read yet, each with the target hidden state before it."""
+
+    hidden: list = field(default_factory=list)
+
+
+class MTPProposer(ModelProposer):
+    """Batched drafting with an MTP head (`needs_features`: it reads the target's hidden
+    states of every prefill and verify pass). Per row, the head has read the pairs
+    (h_i, x_{i+1}) up to the one before the row's pending tokens; one step reads those and
+    chains K - 1 more passes on its own outputs, then drops the chained entries."""
+
+    kind = "mtp"
+    needs_features = True
+    block = False
+
+    def __init__(self, drafter: MTPDrafter, target_vocab: int):
+        super().__init__(drafter.head, target_vocab, target_vocab)
+        self.drafter = drafter
+        self._fresh: dict = {}  # key -> hidden states of the accepted verify positions
+
+    def capture(self, target):
+        return self.drafter.capture(target)
+
+    def admit_state(self, state: PrefillHidden, rows: list[tuple]) -> None:
+        """Rows (key, params, seed, prompt ids) with the hidden states of their prefill
+        (of every prompt token but the newest): pending pairs (h_i, x_{i+1})."""
+        for parts, (key, params, seed, ids) in zip(state.parts, rows, strict=True):
+            hidden = [mx.concatenate(parts)] if parts else []
+            self.members.append(_HeadMember(key, list(ids[1:]), params, seed, hidden=hidden))
+        self.rows.append(_empty_rows(self.model, len(rows)))
+
+    def observe_target(self, features: mx.array, keep: list[int]) -> None:
+        """After a verify pass: row i's first keep[i] hidden states are the accepted ones."""
+        for i, m in enumerate(self.members):
+            self._fresh[m.key] = features[i, : keep[i]]
+
+    def _feed(self, members, take) -> tuple[mx.array, mx.array, list[int]]:
+        # Right-padded token ids and hidden states of each member's pending pairs.
+        chunks = [(m.pending[:take], _stack(m.hidden)[:take]) for m in members]
+        width = max(len(t) for t, _ in chunks)
+        h_dim = self.drafter.head.hidden_size
+        tokens = mx.array([t + [0] * (width - len(t)) for t, _ in chunks], dtype=mx.int32)
+        hidden = mx.stack(
+            [
+                mx.pad(h, [(0, width - h.shape[0]), (0, 0)])
+                if h.shape[0]
+                else mx.zeros((width, h_dim))
+                for _, h in chunks
+            ]
+        )
+        return tokens, hidden, [len(t) for t, _ in chunks]
+
+    def _read_ahead(self) -> None:
+        """Read all but the newest pending pair of long rows in chunks (bounded memory)."""
+        while max(len(m.pending) for m in self.members) > PREFILL_CHUNK:
+            take = [min(PREFILL_CHUNK, max(0, len(m.pending) - 1)) for m in self.members]
+            tokens, hidden, _ = self._feed(self.members, PREFILL_CHUNK)
+            width = max(take)
+            self.drafter.step(tokens[:, :width], hidden[:, :width], self.cache)
+            self.rows.advance(width, take)
+            mx.eval([c.state for c in self.cache])
+            for m, n in zip(self.members, take, strict=True):
+                h = _stack(m.hidden)
+                m.pending, m.hidden = m.pending[n:], [h[n:]]
+
+    def propose(self, want: dict, positions: dict) -> tuple[dict, dict]:
+        """Draft want[key] tokens per member key from K head passes. Returns ({key:
+        tokens}, {key: (k, V) law}) with laws only for sampled rows."""
+        depth = max((want.get(m.key, 0) for m in self.members), default=0)
+        self.depth = self.depth_run = depth
+        for m in self.members:
+            m.used = want.get(m.key, 0) > 0 and bool(m.pending)
+            m.position = positions.get(m.key, 0)
+        if depth == 0:
+            return {}, {}
+        self.rows.checkpoint()
+        self._read_ahead()
+        members = self.members
+        tokens, hidden, lengths = self._feed(members, PREFILL_CHUNK)
+        last = mx.array([max(n - 1, 0) for n in lengths])
+        drafted, laws = [], []
+        for step in range(depth):
+            out = self.drafter.step(tokens, hidden, self.cache)
+            if step == 0:
+                out = mx.take_along_axis(out, last[:, None, None], axis=1)
+                self.rows.advance(tokens.shape[1], lengths)
+            else:
+                self.rows.advance(1, [1] * len(members))
+            tok, law = self._sample(self.drafter.lm_head(out[:, -1]), step)
+            drafted.append(tok)
+            laws.append(law)
+            tokens, hidden = tok[:, None].astype(mx.int32), out[:, -1:]
+        mx.eval(drafted)
+        table = mx.stack(drafted, axis=1).tolist()
+        sampled = {m.key: j for j, m in enumerate(self._sampled)}
+        stacked = mx.stack(laws, axis=1) if sampled else None
+        drafts, q = {}, {}
+        for j, m in enumerate(members):
+            k = want.get(m.key, 0)
+            if not (k and m.used):
+                continue
+            drafts[m.key] = table[j][:k]
+            if m.key in sampled:
+                q[m.key] = stacked[sampled[m.key], :k]
+        return drafts, q
+
+    def commit(self, emitted: dict, accepted: dict) -> None:
+        """After verification: the chained entries go; the accepted tokens, each with the
+        target hidden state before it, wait to be read at the next step."""
+        depth = self.depth
+        for m in self.members:
+            out = emitted.get(m.key, [])
+            fresh = self._fresh.pop(m.key, None)
+            if depth:  # the step read every pending pair
+                m.pending, m.hidden = [], []
+            m.pending = m.pending + out
+            if fresh is not None and fresh.shape[0]:
+                m.hidden = [*m.hidden, fresh[: len(out)]]
+        if depth:
+            self.rows.drop_last([depth - 1] * len(self.members))
+        self.depth = 0
+
+
+def _stack(parts: list) -> mx.array:
+    if not parts:
+        return mx.zeros((0, 0))
+    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
+
+
+def _empty_rows(model, batch: int):
+    from .families import make_ragged_cache
+
+    rows, _ = make_ragged_cache(model, batch)
+    return rows
+
+
+__all__ = ["MTPDrafter", "MTPHead", "MTPProposer", "is_mtp_spec", "load_mtp"]
