@@ -36,7 +36,14 @@ MTP_SPEC = "mtp"
 #: Target model types whose MTP head this module reads (dense layers).
 MTP_MODEL_TYPES = ("qwen3_5",)
 
-_NORM_SUFFIXES = ("norm.weight", "layernorm.weight")
+# RMSNorm weights of the head, which Hugging Face files store as offsets from 1.
+_NORM_SUFFIXES = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+)
+_NORMS = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
 
 
 def is_mtp_spec(draft) -> bool:
@@ -262,7 +269,7 @@ def load_mtp(target_path: str, target: nn.Module, config: dict) -> MTPDrafter:
         )
     if _hf_layout(layout):
         weights = {
-            k: v + 1.0 if k.endswith(_NORM_SUFFIXES) and v.ndim == 1 else v
+            k: v + 1.0 if (k in _NORMS or k.endswith(_NORM_SUFFIXES)) and v.ndim == 1 else v
             for k, v in weights.items()
         }
     head = MTPHead(text, layers)

@@ -17,7 +17,7 @@ import pytest
 from conftest import script
 from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
 from tiny_families import build_model, tokenizer_dir
-from tiny_heads import add_mtp_head
+from tiny_heads import add_mtp_head, to_hf_layout
 from tiny_models import reference_greedy
 
 import engine
@@ -288,3 +288,63 @@ def test_spec_run_with_draft_mtp_names_the_drafter(tiny_dir, tmp_path):
     assert len(lines) == 2
     spec = [ln["response"]["body"]["metrics"]["speculative_decoding"] for ln in lines]
     assert {s["drafter"] for s in spec} == {"mtp"}
+
+
+def test_a_hugging_face_layout_checkpoint_drafts_the_same(tiny_dir, mtp_pair, tmp_path):
+    # Published Qwen3.5 files store RMSNorm weights as offsets from 1, the head's too.
+    hf = engine.load_pair(to_hf_layout(tiny_dir, tmp_path / "hf"), "mtp", calibrate=False)
+    prompt = mtp_pair.tokenizer.encode(PROMPTS[0])
+    ours = head_reference(mtp_pair, prompt, 3, 3)
+    assert head_reference(hf, prompt, 3, 3) == ours
+    h = mx.random.normal((1, 4, mtp_pair.dflash.head.hidden_size), key=mx.random.key(0))
+    x = mx.array([prompt[:4]])
+    assert mx.allclose(hf.dflash.step(x, h, None), mtp_pair.dflash.step(x, h, None), atol=1e-5)
+
+
+def test_spec_doctor_names_the_mtp_head(tiny_dir):
+    from click.testing import CliRunner
+
+    from worker.doctor import main
+
+    env = {"SPEC_REDIS_URL": None, "REDIS_URL": None}
+    res = CliRunner().invoke(
+        main, ["--target", str(tiny_dir), "--draft", "mtp", "--no-bench"], env=env
+    )
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    pair = next(ln for ln in lines if ln.startswith("OK   pair:"))
+    assert pair.endswith("drafter mtp: the target's own MTP head, 1 layer(s), 0.0495M parameters")
+    memory = next(ln for ln in lines if " memory:" in ln)
+    assert memory.startswith("OK") and "draft" not in memory  # the head is in the target
+    assert "; draft: mtp head, 1 layer(s)" in next(ln for ln in lines if " features:" in ln)
+
+
+def test_spec_worker_with_draft_mtp_serves_a_batch(tiny_dir, redis_env, start_worker, tmp_path):
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(
+        "".join(
+            json.dumps({"custom_id": f"r{i}", "prompt": p, "max_tokens": 8, "temperature": 0})
+            + "\n"
+            for i, p in enumerate(PROMPTS[:3])
+        )
+    )
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", str(jobs), "--batch-id", batch).returncode == 0
+    worker = start_worker("--burst", "--target", str(tiny_dir), "--draft", "mtp", "--alias", "demo")
+    assert worker.wait(timeout=300) == 0, worker.log
+    assert "'draft': 'mtp', 'drafter': 'mtp'" in worker.log  # the start-up line names it
+    out = tmp_path / "out.jsonl"
+    assert redis_env.run("spec-collect", batch, "-o", str(out)).returncode == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [ln["custom_id"] for ln in lines] == ["r0", "r1", "r2"]
+    spec = [ln["response"]["body"]["metrics"]["speculative_decoding"] for ln in lines]
+    assert {s["drafter"] for s in spec} == {"mtp"}
+    ids = [mtp_tokens(tiny_dir, p) for p in PROMPTS[:3]]
+    assert [ln["response"]["body"]["choices"][0]["text"] for ln in lines] == ids
+
+
+def mtp_tokens(target_dir, prompt: str) -> str:
+    """Target-only greedy text of 8 tokens, for comparison with the worker's results."""
+    pair = engine.load_pair(target_dir, use_draft=False, calibrate=False)
+    req = GenerationRequest(prompt=prompt, max_tokens=8, temperature=0.0, drafter="none")
+    return engine.generate(pair, req).text

@@ -29,3 +29,37 @@ def add_mtp_head(target_dir: Path, *, layers: int = 1, seed: int = 5, scale: flo
     config["mtp_num_hidden_layers"] = layers
     (target_dir / "config.json").write_text(json.dumps(config))
     return mtp
+
+
+_HF_SHIFTED = (
+    ".input_layernorm.weight",
+    ".post_attention_layernorm.weight",
+    ".q_norm.weight",
+    ".k_norm.weight",
+    "model.norm.weight",
+    "mtp.norm.weight",
+    "mtp.pre_fc_norm_embedding.weight",
+    "mtp.pre_fc_norm_hidden.weight",
+)
+
+
+def to_hf_layout(src: Path, dst: Path) -> Path:
+    """Rewrite a tiny qwen3_5 checkpoint (with its MTP head) as Hugging Face stores Qwen3.5:
+    `model.language_model.*` names, conv1d kernels last, RMSNorm weights as offsets from 1."""
+    dst.mkdir(parents=True, exist_ok=True)
+    out = {}
+    for key, value in mx.load(str(src / "model.safetensors")).items():
+        if key.startswith("language_model.model."):
+            key = "model.language_model." + key[len("language_model.model.") :]
+        elif key.startswith("language_model."):
+            key = key[len("language_model.") :]
+        if "conv1d.weight" in key:
+            value = value.moveaxis(2, 1)
+        if key.endswith(_HF_SHIFTED) and value.ndim == 1:
+            value = value - 1.0
+        out[key] = value
+    mx.save_safetensors(str(dst / "model.safetensors"), out)
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst

@@ -210,9 +210,12 @@ def machine_memory() -> tuple[int, str]:
 
 def _model_dirs(target: str | None, draft: str | None) -> tuple[Path, Path | None]:
     from engine.loading import DEMO_DRAFT, DEMO_TARGET
+    from engine.mtp import is_mtp_spec
 
     if target is None and draft is None:
         return DEMO_TARGET, DEMO_DRAFT
+    if is_mtp_spec(draft):  # the head's weights are in the target's files
+        draft = None
     return Path(target).expanduser() if target else DEMO_TARGET, (
         Path(draft).expanduser() if draft else None
     )
@@ -299,6 +302,14 @@ def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
         f"{info['name']}: target {info['target_parameters'] / 1e6:.3g}M parameters, "
         f"context {info['context_length']}"
     )
+    if pair.dflash is not None and pair.dflash.kind == "mtp":
+        d = pair.dflash.info()
+        return Check(
+            "OK",
+            "pair",
+            f"{what}; drafter mtp: the target's own MTP head, {d['layers']} layer(s), "
+            f"{d['parameters'] / 1e6:.3g}M parameters",
+        ), pair
     if pair.dflash is not None:
         d = pair.dflash.info()
         return Check(
@@ -334,7 +345,9 @@ def check_features(pair) -> Check:
     layers = f"target layers: {kinds(f.target_layers)}"
     if f.draft_layers:
         layers += f"; draft layers: {kinds(f.draft_layers)}"
-    if pair.dflash is not None:
+    if pair.dflash is not None and pair.dflash.kind == "mtp":
+        layers += f"; draft: mtp head, {len(pair.dflash.head.layers)} layer(s)"
+    elif pair.dflash is not None:
         layers += f"; draft: DFlash, block size {pair.dflash.block_size}"
     batching = "batching exact" if f.batching else "no batching"
     return Check("OK", "features", f"drafters {', '.join(f.drafters)}; {batching}; {layers}")
