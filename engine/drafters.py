@@ -246,11 +246,11 @@ class ModelProposer:
 
 def feature_proposer(drafter, target_vocab: int):
     """The proposer for a drafter that reads the target's hidden states: a DFlash block
-    drafter, or the target's own MTP head (engine.mtp)."""
-    if getattr(drafter, "kind", None) == "mtp":
-        from .mtp import MTPProposer
+    drafter, or a head that drafts one token per pass (engine.heads: MTP, EAGLE-3)."""
+    if getattr(drafter, "kind", None) in ("mtp", "eagle3"):
+        from .heads import HeadProposer
 
-        return MTPProposer(drafter, target_vocab)
+        return HeadProposer(drafter, target_vocab)
     return DFlashProposer(drafter, target_vocab)
 
 

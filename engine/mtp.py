@@ -17,18 +17,14 @@ the target's hidden states of the verify pass, as the head was trained.
 from __future__ import annotations
 
 import json
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
-from .dflash import target_embed_and_head, target_layers
-from .drafters import PREFILL_CHUNK, ModelProposer, _Member
+from .dflash import target_embed_and_head
+from .heads import PrefillHidden, capture_layers, measure_head_costs
 from .types import ModelLoadError
 
 #: What `--draft` says to draft with the target's own MTP head.
@@ -88,48 +84,6 @@ class MTPHead(nn.Module):
         return self.norm(h)
 
 
-class _LastLayerHook:
-    """Stands in for the target's last decoder layer and keeps its output."""
-
-    def __init__(self, layer, store: list):
-        self._layer, self._store = layer, store
-
-    def __call__(self, *args, **kwargs):
-        out = self._layer(*args, **kwargs)
-        self._store[0] = out
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._layer, name)
-
-
-class HiddenCapture:
-    """The target's final normed hidden states (what its LM head reads) of the latest pass."""
-
-    def __init__(self, norm):
-        self._norm = norm
-        self._out: list = [None]
-
-    @property
-    def features(self) -> mx.array:
-        """(B, T, hidden); raises RuntimeError when no target pass ran inside the capture."""
-        if self._out[0] is None:
-            raise RuntimeError("no target forward pass ran inside the capture")
-        return self._norm(self._out[0])
-
-
-class PrefillHidden:
-    """Hidden states of rows being prefilled, collected pass by pass (`extend`)."""
-
-    def __init__(self, batch: int):
-        self.parts: list[list[mx.array]] = [[] for _ in range(batch)]
-
-    def extend(self, features: mx.array, keep: list[int]) -> None:
-        for i, k in enumerate(keep):
-            if k:
-                self.parts[i].append(features[i, :k])
-
-
 class MTPDrafter:
     """A loaded MTP head bound to its target's embeddings, final norm and LM head."""
 
@@ -142,24 +96,23 @@ class MTPDrafter:
         self.embed, self.lm_head = target_embed_and_head(target)
         self.final_norm = _inner(target).norm
 
-    @contextmanager
-    def capture(self, target: nn.Module) -> Iterator[HiddenCapture]:
-        """Inside the block, target forwards record their final hidden states."""
-        layers = target_layers(target)
-        original = layers[-1]
-        cap = HiddenCapture(self.final_norm)
-        try:
-            layers[-1] = _LastLayerHook(original, cap._out)
-            yield cap
-        finally:
-            layers[-1] = original
+    def capture(self, target: nn.Module):
+        """Inside the block, target forwards record their final normed hidden states."""
+        return capture_layers(target, [-1], lambda outs: self.final_norm(outs[0]))
 
     def new_state(self, batch: int = 0) -> PrefillHidden:
         return PrefillHidden(batch)
 
+    @property
+    def feature_size(self) -> int:
+        return self.head.hidden_size
+
     def step(self, tokens: mx.array, hidden: mx.array, cache) -> mx.array:
         """Head outputs for token ids (B, L) paired with hidden states (B, L, hidden)."""
         return self.head(self.embed(tokens), hidden, cache)
+
+    def logits(self, out: mx.array) -> mx.array:
+        return self.lm_head(out)
 
     def info(self) -> dict:
         """Facts for logs and `spec-doctor`."""
@@ -170,26 +123,9 @@ class MTPDrafter:
             "source": f"{self.path} (mtp.* weights)",
         }
 
-    def measure_costs(self, target, sizes=(1, 2, 4, 8, 16, 32), reps: int = 2):
+    def measure_costs(self, target):
         """Seconds of one head pass plus the LM head for b rows (adaptive.PassCosts)."""
-        from .adaptive import PassCosts
-        from .families import make_ragged_cache
-
-        points = {}
-        for b in sizes:
-            rows, cache = make_ragged_cache(self.head, b)
-            hidden = mx.zeros((b, 32, self.head.hidden_size))
-            self.step(mx.ones((b, 32), dtype=mx.int32), hidden, cache)
-            rows.advance(32, [32] * b)
-            best = float("inf")
-            for _ in range(reps + 1):
-                t0 = time.perf_counter()
-                out = self.step(mx.ones((b, 1), dtype=mx.int32), hidden[:, :1], cache)
-                mx.eval(self.lm_head(out))
-                best = min(best, time.perf_counter() - t0)
-                rows.advance(1, [1] * b)
-            points[b] = best
-        return PassCosts(points)
+        return measure_head_costs(self)
 
 
 def _inner(target: nn.Module):
@@ -296,145 +232,4 @@ def load_mtp(target_path: str, target: nn.Module, config: dict) -> MTPDrafter:
     return MTPDrafter(head, target, str(target_path))
 
 
-# ----------------------------------------------------------------------------- drafting
-
-
-@dataclass
-class _HeadMember(_Member):
-    """A row: `pending` tokens not read yet, each with the target hidden state before it."""
-
-    hidden: list = field(default_factory=list)
-
-
-class MTPProposer(ModelProposer):
-    """Batched drafting with an MTP head (`needs_features`: it reads the target's hidden
-    states of every prefill and verify pass). Per row, the head has read the pairs
-    (h_i, x_{i+1}) up to the one before the row's pending tokens; one step reads those and
-    chains K - 1 more passes on its own outputs, then drops the chained entries."""
-
-    kind = "mtp"
-    needs_features = True
-    block = False
-
-    def __init__(self, drafter: MTPDrafter, target_vocab: int):
-        super().__init__(drafter.head, target_vocab, target_vocab)
-        self.drafter = drafter
-        self._fresh: dict = {}  # key -> hidden states of the accepted verify positions
-
-    def capture(self, target):
-        return self.drafter.capture(target)
-
-    def admit_state(self, state: PrefillHidden, rows: list[tuple]) -> None:
-        """Rows (key, params, seed, prompt ids) with the hidden states of their prefill
-        (of every prompt token but the newest): pending pairs (h_i, x_{i+1})."""
-        for parts, (key, params, seed, ids) in zip(state.parts, rows, strict=True):
-            hidden = [mx.concatenate(parts)] if parts else []
-            self.members.append(_HeadMember(key, list(ids[1:]), params, seed, hidden=hidden))
-        self.rows.append(_empty_rows(self.model, len(rows)))
-
-    def observe_target(self, features: mx.array, keep: list[int]) -> None:
-        """After a verify pass: row i's first keep[i] hidden states are the accepted ones."""
-        for i, m in enumerate(self.members):
-            self._fresh[m.key] = features[i, : keep[i]]
-
-    def _feed(self, members, take) -> tuple[mx.array, mx.array, list[int]]:
-        # Right-padded token ids and hidden states of each member's pending pairs.
-        chunks = [(m.pending[:take], _stack(m.hidden)[:take]) for m in members]
-        width = max(len(t) for t, _ in chunks)
-        h_dim = self.drafter.head.hidden_size
-        tokens = mx.array([t + [0] * (width - len(t)) for t, _ in chunks], dtype=mx.int32)
-        hidden = mx.stack(
-            [
-                mx.pad(h, [(0, width - h.shape[0]), (0, 0)])
-                if h.shape[0]
-                else mx.zeros((width, h_dim))
-                for _, h in chunks
-            ]
-        )
-        return tokens, hidden, [len(t) for t, _ in chunks]
-
-    def _read_ahead(self) -> None:
-        """Read all but the newest pending pair of long rows in chunks (bounded memory)."""
-        while max(len(m.pending) for m in self.members) > PREFILL_CHUNK:
-            take = [min(PREFILL_CHUNK, max(0, len(m.pending) - 1)) for m in self.members]
-            tokens, hidden, _ = self._feed(self.members, PREFILL_CHUNK)
-            width = max(take)
-            self.drafter.step(tokens[:, :width], hidden[:, :width], self.cache)
-            self.rows.advance(width, take)
-            mx.eval([c.state for c in self.cache])
-            for m, n in zip(self.members, take, strict=True):
-                h = _stack(m.hidden)
-                m.pending, m.hidden = m.pending[n:], [h[n:]]
-
-    def propose(self, want: dict, positions: dict) -> tuple[dict, dict]:
-        """Draft want[key] tokens per member key from K head passes. Returns ({key:
-        tokens}, {key: (k, V) law}) with laws only for sampled rows."""
-        depth = max((want.get(m.key, 0) for m in self.members), default=0)
-        self.depth = self.depth_run = depth
-        for m in self.members:
-            m.used = want.get(m.key, 0) > 0 and bool(m.pending)
-            m.position = positions.get(m.key, 0)
-        if depth == 0:
-            return {}, {}
-        self.rows.checkpoint()
-        self._read_ahead()
-        members = self.members
-        tokens, hidden, lengths = self._feed(members, PREFILL_CHUNK)
-        last = mx.array([max(n - 1, 0) for n in lengths])
-        drafted, laws = [], []
-        for step in range(depth):
-            out = self.drafter.step(tokens, hidden, self.cache)
-            if step == 0:
-                out = mx.take_along_axis(out, last[:, None, None], axis=1)
-                self.rows.advance(tokens.shape[1], lengths)
-            else:
-                self.rows.advance(1, [1] * len(members))
-            tok, law = self._sample(self.drafter.lm_head(out[:, -1]), step)
-            drafted.append(tok)
-            laws.append(law)
-            tokens, hidden = tok[:, None].astype(mx.int32), out[:, -1:]
-        mx.eval(drafted)
-        table = mx.stack(drafted, axis=1).tolist()
-        sampled = {m.key: j for j, m in enumerate(self._sampled)}
-        stacked = mx.stack(laws, axis=1) if sampled else None
-        drafts, q = {}, {}
-        for j, m in enumerate(members):
-            k = want.get(m.key, 0)
-            if not (k and m.used):
-                continue
-            drafts[m.key] = table[j][:k]
-            if m.key in sampled:
-                q[m.key] = stacked[sampled[m.key], :k]
-        return drafts, q
-
-    def commit(self, emitted: dict, accepted: dict) -> None:
-        """After verification: the chained entries go; the accepted tokens, each with the
-        target hidden state before it, wait to be read at the next step."""
-        depth = self.depth
-        for m in self.members:
-            out = emitted.get(m.key, [])
-            fresh = self._fresh.pop(m.key, None)
-            if depth:  # the step read every pending pair
-                m.pending, m.hidden = [], []
-            m.pending = m.pending + out
-            if fresh is not None and fresh.shape[0]:
-                m.hidden = [*m.hidden, fresh[: len(out)]]
-        if depth:
-            self.rows.drop_last([depth - 1] * len(self.members))
-        self.depth = 0
-
-
-def _stack(parts: list) -> mx.array:
-    if not parts:
-        return mx.zeros((0, 0))
-    return parts[0] if len(parts) == 1 else mx.concatenate(parts)
-
-
-def _empty_rows(model, batch: int):
-    from .families import make_ragged_cache
-
-    rows, _ = make_ragged_cache(model, batch)
-    return rows
-
-
-__all__ = ["MTPDrafter", "MTPHead", "MTPProposer", "is_mtp_spec", "load_mtp"]
+__all__ = ["MTPDrafter", "MTPHead", "is_mtp_spec", "load_mtp"]

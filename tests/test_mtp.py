@@ -21,7 +21,7 @@ from tiny_heads import add_mtp_head, to_hf_layout
 from tiny_models import reference_greedy
 
 import engine
-from engine import GenerationRequest, mtp
+from engine import GenerationRequest, heads, mtp
 from engine.batch import SpeculativeDecoder
 from engine.loading import ModelPair
 from engine.sampling import SamplingParams
@@ -113,14 +113,14 @@ def head_reference(pair: ModelPair, prompt: list[int], steps: int, k: int) -> li
 
 def _recorded_drafts(pair, prompt, steps, k, monkeypatch) -> tuple[list, int]:
     seen = []
-    original = mtp.MTPProposer.propose
+    original = heads.HeadProposer.propose
 
     def record(self, want, positions):
         drafts, laws = original(self, want, positions)
         seen.append(drafts.get(0))
         return drafts, laws
 
-    monkeypatch.setattr(mtp.MTPProposer, "propose", record)
+    monkeypatch.setattr(heads.HeadProposer, "propose", record)
     dec = SpeculativeDecoder(
         pair, prompt, SamplingParams(0.0), num_draft_tokens=k, max_tokens=10_000
     )
@@ -163,7 +163,7 @@ def test_each_step_drafts_what_the_definition_drafts(small_vocab_mtp, monkeypatc
 def test_a_head_that_keeps_its_chained_entries_fails_the_step_test(small_vocab_mtp, monkeypatch):
     # Mutation: the chained passes stay in the head's cache instead of being read again
     # with the target's hidden states (lossless, but not the head's definition).
-    original = mtp.MTPProposer.commit
+    original = heads.HeadProposer.commit
 
     def keep_chained(self, emitted, accepted):
         drop = self.rows.drop_last
@@ -173,7 +173,7 @@ def test_a_head_that_keeps_its_chained_entries_fails_the_step_test(small_vocab_m
         finally:
             self.rows.drop_last = drop
 
-    monkeypatch.setattr(mtp.MTPProposer, "commit", keep_chained)
+    monkeypatch.setattr(heads.HeadProposer, "commit", keep_chained)
     prompt = [1, 4, 2, 2, 5, 3, 0, 1]
     seen, _ = _recorded_drafts(small_vocab_mtp, prompt, 12, 3, monkeypatch)
     monkeypatch.undo()
@@ -196,14 +196,14 @@ def test_mtp_sampling_follows_the_target_law(small_vocab_mtp):
 
 
 def test_an_mtp_law_at_the_wrong_temperature_fails_the_test(small_vocab_mtp, monkeypatch):
-    original = mtp.MTPProposer.propose
+    original = heads.HeadProposer.propose
 
     def wrong_law(self, want, positions):
         # Mutation: q is not the law the drafts were drawn from (sharpened).
         found, laws = original(self, want, positions)
         return found, {k: q**4 / mx.sum(q**4, axis=-1, keepdims=True) for k, q in laws.items()}
 
-    monkeypatch.setattr(mtp.MTPProposer, "propose", wrong_law)
+    monkeypatch.setattr(heads.HeadProposer, "propose", wrong_law)
     law = chisquare.exact_law(small_vocab_mtp.target, PROMPT, PARAMS, LENGTH, VOCAB)
     assert chi_square_p(law, draw(small_vocab_mtp, N_MUTANT, seed0=13_000_000)) < P_FAIL
 
