@@ -14,6 +14,7 @@ from mlx.utils import tree_flatten, tree_map
 
 from .blas import blas_info
 from .dflash import is_dflash_dir, load_dflash
+from .eagle3 import is_eagle3_dir, load_eagle3
 from .mtp import is_mtp_spec, load_mtp
 from .types import ModelLoadError, TokenizerMismatchError
 
@@ -44,7 +45,8 @@ class ModelPair:
     name: str
     controller: Any = field(default=None, repr=False)
     #: A drafter that reads target hidden states (draft is None): an engine.dflash
-    #: DFlashDrafter, or the target's own MTP head (engine.mtp.MTPDrafter, --draft mtp).
+    #: DFlashDrafter, the target's own MTP head (engine.mtp, --draft mtp) or an EAGLE-3
+    #: head (engine.eagle3).
     dflash: Any = None
     #: Why the target runs with plain decoding only (a layer kind with no exact ragged
     #: form: engine.plain), or None when the speculative decoder runs it.
@@ -72,7 +74,8 @@ class ModelPair:
 
     @property
     def drafter_kind(self) -> str | None:
-        """What drafts for drafter "model": "model" (a draft LM), "dflash", "mtp", or None."""
+        """What drafts for drafter "model": "model" (a draft LM), "dflash", "mtp",
+        "eagle3", or None."""
         if self.dflash is not None:
             return self.dflash.kind
         return "model" if self.draft is not None else None
@@ -194,6 +197,9 @@ def load_pair(
     if draft is not None and use_draft and is_mtp_spec(draft):
         draft_path = "mtp"
         dflash = load_mtp(target_path, model, config)
+    elif draft is not None and use_draft and is_eagle3_dir(draft):
+        draft_path = os.fspath(draft)
+        dflash = load_eagle3(draft_path, model, config)
     elif draft is not None and use_draft and is_dflash_dir(draft):
         draft_path = os.fspath(draft)
         dflash = load_dflash(draft_path, model, config)

@@ -123,6 +123,14 @@ class MTPDrafter:
             "source": f"{self.path} (mtp.* weights)",
         }
 
+    def describe(self) -> str:
+        """One phrase for spec-doctor."""
+        d = self.info()
+        return (
+            f"the target's own MTP head, {d['layers']} layer(s), "
+            f"{d['parameters'] / 1e6:.3g}M parameters"
+        )
+
     def measure_costs(self, target):
         """Seconds of one head pass plus the LM head for b rows (adaptive.PassCosts)."""
         return measure_head_costs(self)

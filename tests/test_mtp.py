@@ -94,10 +94,12 @@ def head_reference(pair: ModelPair, prompt: list[int], steps: int, k: int) -> li
             hidden = cap.features
         # Pairs (h_i, x_{i+1}) for i < len(text) - 1: up to the pending (newest) token.
         tokens, pairs_h = mx.array([text[1:]]), hidden[:, :-1]
+        if drafter.kind == "eagle3":  # its fc projects target features, not chained ones
+            pairs_h = drafter.head.fc(pairs_h)
         drafts = []
         for _ in range(k):
             out = drafter.step(tokens, pairs_h, None)[:, -1:]
-            d = int(mx.argmax(drafter.lm_head(out)[0, -1]).item())
+            d = int(mx.argmax(drafter.logits(out[:, -1])[0]).item())
             drafts.append(d)
             tokens = mx.concatenate([tokens, mx.array([[d]])], axis=1)
             pairs_h = mx.concatenate([pairs_h, out], axis=1)

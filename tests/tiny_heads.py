@@ -63,3 +63,54 @@ def to_hf_layout(src: Path, dst: Path) -> Path:
         if f.name != "model.safetensors":
             (dst / f.name).write_bytes(f.read_bytes())
     return dst
+
+
+def build_eagle3(
+    out: Path,
+    target_dir: Path,
+    *,
+    aux_ids: list[int],
+    draft_vocab: list[int],
+    seed: int = 7,
+    scale: float = 3.0,
+    heads: int = 2,
+) -> Path:
+    """A random EAGLE-3 head for the target at `target_dir`, written as EAGLE-3 checkpoints
+    are published: config.json (`LlamaForCausalLMEagle3`, `draft_vocab_size`,
+    `eagle_config.eagle_aux_hidden_state_layer_ids`) and safetensors with `fc`, `midlayer.*`,
+    `norm`, `lm_head`, `d2t` (target id minus draft id) and `t2d` (which target ids the draft
+    vocabulary holds). `draft_vocab` lists the target ids of draft ids 0, 1, ..."""
+    from engine.eagle3 import Eagle3Config, Eagle3Head
+
+    out.mkdir(parents=True, exist_ok=True)
+    target = json.loads((target_dir / "config.json").read_text())
+    hidden, vocab = target["hidden_size"], target["vocab_size"]
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_attention_heads": heads,
+        "num_key_value_heads": 1,
+        "head_dim": hidden // heads,
+        "intermediate_size": 2 * hidden,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 512,
+        "vocab_size": vocab,
+        "draft_vocab_size": len(draft_vocab),
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "torch_dtype": "float32",
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": aux_ids, "use_aux_hidden_state": True},
+    }
+    mx.random.seed(seed)
+    head = Eagle3Head(Eagle3Config.from_dict(config), len(aux_ids))
+    head.update(tree_map(lambda w: w * scale, head.parameters()))
+    weights = {k.replace("layers.0.", "midlayer."): v for k, v in tree_flatten(head.parameters())}
+    ids = mx.array(draft_vocab, dtype=mx.int64)
+    weights["d2t"] = ids - mx.arange(len(draft_vocab), dtype=mx.int64)
+    weights["t2d"] = mx.zeros((vocab,), dtype=mx.bool_).at[ids].add(True)
+    mx.save_safetensors(str(out / "model.safetensors"), weights)
+    (out / "config.json").write_text(json.dumps(config))
+    return out

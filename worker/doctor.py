@@ -302,13 +302,9 @@ def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
         f"{info['name']}: target {info['target_parameters'] / 1e6:.3g}M parameters, "
         f"context {info['context_length']}"
     )
-    if pair.dflash is not None and pair.dflash.kind == "mtp":
-        d = pair.dflash.info()
+    if pair.dflash is not None and hasattr(pair.dflash, "describe"):  # MTP, EAGLE-3
         return Check(
-            "OK",
-            "pair",
-            f"{what}; drafter mtp: the target's own MTP head, {d['layers']} layer(s), "
-            f"{d['parameters'] / 1e6:.3g}M parameters",
+            "OK", "pair", f"{what}; drafter {pair.dflash.kind}: {pair.dflash.describe()}"
         ), pair
     if pair.dflash is not None:
         d = pair.dflash.info()
@@ -345,8 +341,8 @@ def check_features(pair) -> Check:
     layers = f"target layers: {kinds(f.target_layers)}"
     if f.draft_layers:
         layers += f"; draft layers: {kinds(f.draft_layers)}"
-    if pair.dflash is not None and pair.dflash.kind == "mtp":
-        layers += f"; draft: mtp head, {len(pair.dflash.head.layers)} layer(s)"
+    if pair.dflash is not None and hasattr(pair.dflash, "head"):  # MTP, EAGLE-3
+        layers += f"; draft: {pair.dflash.kind} head, {len(pair.dflash.head.layers)} layer(s)"
     elif pair.dflash is not None:
         layers += f"; draft: DFlash, block size {pair.dflash.block_size}"
     batching = "batching exact" if f.batching else "no batching"
