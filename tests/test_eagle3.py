@@ -221,3 +221,21 @@ def test_spec_doctor_names_the_eagle3_head(dirs):
     pair = next(ln for ln in res.stdout.splitlines() if ln.startswith("OK   pair:"))
     assert "; drafter eagle3: EAGLE-3 head, reads the outputs of target layers 0, 1, 1, " in pair
     assert pair.endswith("draft vocabulary 160 of 320, 0.0678M parameters")
+
+
+def test_an_eagle3_head_on_a_hybrid_qwen3_5_target_is_exact(tmp_path):
+    # qwen3_5: gated delta-net layers between full-attention ones (recurrent rollback).
+    tok, vocab = tokenizer_dir(tmp_path)
+    target = build_model(tmp_path / "qwen3_5", "qwen3_5", vocab_size=vocab, tokenizer_from=tok)
+    head = build_eagle3(tmp_path / "h", target, aux_ids=[1, 2, 4], draft_vocab=list(range(vocab)))
+    pair = engine.load_pair(target, head, calibrate=False)
+    assert pair.dflash.layer_ids == (0, 1, 3)
+    requests = [
+        GenerationRequest(prompt=p, max_tokens=16, temperature=0.0, num_draft_tokens=3)
+        for p in PROMPTS
+    ]
+    refs = [reference_greedy(pair, pair.tokenizer.encode(p), 16) for p in PROMPTS]
+    batched = dict(engine.generate_many(pair, requests, max_batch=3))
+    for i, ref in enumerate(refs):
+        assert batched[i].token_ids == ref[: len(batched[i].token_ids)], i
+    assert sum(r.stats.to_dict()["num_draft_tokens"] for r in batched.values()) > 0
