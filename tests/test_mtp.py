@@ -22,6 +22,7 @@ from tiny_models import reference_greedy
 
 import engine
 from engine import GenerationRequest, heads, mtp
+from engine.adaptive import DraftController
 from engine.batch import SpeculativeDecoder
 from engine.loading import ModelPair
 from engine.sampling import SamplingParams
@@ -149,8 +150,6 @@ def small_vocab_mtp(tmp_path_factory) -> ModelPair:
     t_model, config = mlx_lm.utils.load_model(target)
     pair = ModelPair(t_model, None, None, str(target), "mtp", 512, VOCAB, VOCAB, "m6")
     pair.dflash = mtp.load_mtp(str(target), t_model, config)
-    from engine.adaptive import DraftController
-
     pair.controller = DraftController.for_pair(pair, calibrate=False)
     return pair
 
@@ -350,3 +349,14 @@ def mtp_tokens(target_dir, prompt: str) -> str:
     pair = engine.load_pair(target_dir, use_draft=False, calibrate=False)
     req = GenerationRequest(prompt=prompt, max_tokens=8, temperature=0.0, drafter="none")
     return engine.generate(pair, req).text
+
+
+def test_auto_prices_k_head_passes_from_measured_costs(small_vocab_mtp):
+    # A head drafts one token per pass: priced like a draft model (not a block drafter),
+    # from one head pass plus the LM head timed for 1..32 rows.
+    controller = DraftController.for_pair(small_vocab_mtp, calibrate=True)
+    assert controller.block is False
+    assert controller.draft.sizes == [1, 2, 4, 8, 16, 32]
+    one = controller.step_seconds(4, 4, 1, 4) - controller.step_seconds(4, 4, 0, 4)
+    three = controller.step_seconds(4, 4, 3, 4) - controller.step_seconds(4, 4, 0, 4)
+    assert three == pytest.approx(3 * one)
