@@ -31,8 +31,9 @@ import mlx.core as mx
 from . import core, sampling
 from .adaptive import MAX_AUTO_DRAFT, AutoRow, FixedRow
 from .core import MAX_DRAFT_TOKENS, Step
-from .drafters import LookupIndex, ModelProposer, feature_proposer, prefill_rows
+from .drafters import LookupIndex, ModelProposer, prefill_rows
 from .families import make_ragged_cache
+from .heads import feature_proposer
 
 COMPACT_WASTE = 0.5
 # A hybrid row drafts by lookup when its last HYBRID_MIN_NGRAM tokens occurred before:

@@ -244,16 +244,6 @@ class ModelProposer:
         return next(m.pending for m in self.members if m.key == key)
 
 
-def feature_proposer(drafter, target_vocab: int):
-    """The proposer for a drafter that reads the target's hidden states: a DFlash block
-    drafter, or a head that drafts one token per pass (engine.heads: MTP, EAGLE-3)."""
-    if getattr(drafter, "kind", None) in ("mtp", "eagle3"):
-        from .heads import HeadProposer
-
-        return HeadProposer(drafter, target_vocab)
-    return DFlashProposer(drafter, target_vocab)
-
-
 class DFlashProposer:
     """Batched drafting with a DFlash block drafter: one drafter pass per step proposes
     up to block_size - 1 tokens for every row, read off the target's own hidden states.
@@ -288,10 +278,11 @@ class DFlashProposer:
         """A context manager: target forwards inside it record the features."""
         return self.drafter.capture(target)
 
-    def admit_state(self, state, rows: list[tuple[object, sampling.SamplingParams, int]]) -> None:
-        """Rows (key, params, seed) joining, with the context their prefill passes built."""
+    def admit_state(self, state, rows: list[tuple]) -> None:
+        """Rows (key, params, seed, prompt ids) joining, with the context their prefill
+        passes built."""
         self.state.append(state)
-        for key, params, seed, *_ in rows:  # (key, params, seed, prompt ids)
+        for key, params, seed, *_ in rows:
             self.keys.append(key)
             self.params[key], self.seeds[key] = params, seed
 

@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .dflash import target_layers
-from .drafters import PREFILL_CHUNK, ModelProposer, _Member
+from .drafters import PREFILL_CHUNK, DFlashProposer, ModelProposer, _Member
+
+
+def feature_proposer(drafter, target_vocab: int):
+    """The proposer for a drafter that reads the target's hidden states: a head (MTP,
+    EAGLE-3: one token per pass) or a DFlash block drafter."""
+    if getattr(drafter, "kind", None) in ("mtp", "eagle3"):
+        return HeadProposer(drafter, target_vocab)
+    return DFlashProposer(drafter, target_vocab)
 
 
 class _LayerHook:
