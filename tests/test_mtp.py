@@ -360,3 +360,12 @@ def test_auto_prices_k_head_passes_from_measured_costs(small_vocab_mtp):
     one = controller.step_seconds(4, 4, 1, 4) - controller.step_seconds(4, 4, 0, 4)
     three = controller.step_seconds(4, 4, 3, 4) - controller.step_seconds(4, 4, 0, 4)
     assert three == pytest.approx(3 * one)
+
+
+def test_a_prompt_longer_than_a_chunk_is_read_ahead_exactly(small_vocab_mtp, monkeypatch):
+    # Pending pairs past PREFILL_CHUNK are read in chunks before the drafting pass.
+    import random
+
+    prompt = [random.Random(3).randrange(VOCAB) for _ in range(heads.PREFILL_CHUNK + 90)]
+    seen, _ = _recorded_drafts(small_vocab_mtp, prompt, 3, 2, monkeypatch)
+    assert seen == head_reference(small_vocab_mtp, prompt, 3, 2)
