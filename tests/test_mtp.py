@@ -362,10 +362,11 @@ def test_auto_prices_k_head_passes_from_measured_costs(small_vocab_mtp):
     assert three == pytest.approx(3 * one)
 
 
-def test_a_prompt_longer_than_a_chunk_is_read_ahead_exactly(small_vocab_mtp, monkeypatch):
+def test_a_prompt_longer_than_a_chunk_is_read_ahead_exactly(mtp_pair, monkeypatch):
     # Pending pairs past PREFILL_CHUNK are read in chunks before the drafting pass.
     import random
 
-    prompt = [random.Random(3).randrange(VOCAB) for _ in range(heads.PREFILL_CHUNK + 90)]
-    seen, _ = _recorded_drafts(small_vocab_mtp, prompt, 3, 2, monkeypatch)
-    assert seen == head_reference(small_vocab_mtp, prompt, 3, 2)
+    vocab = mtp_pair.target_vocab
+    prompt = [random.Random(3).randrange(vocab) for _ in range(heads.PREFILL_CHUNK + 90)]
+    seen, _ = _recorded_drafts(mtp_pair, prompt, 4, 3, monkeypatch)
+    assert seen == head_reference(mtp_pair, prompt, 4, 3)
