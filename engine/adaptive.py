@@ -356,7 +356,9 @@ class DraftController:
         static = static_costs(t_params, d_params, on_gpu)
         if calibrate:
             target = measure_pass_costs(pair.target)
-            if dflash is not None:
+            if dflash is not None and hasattr(dflash, "measure_costs"):  # an MTP head
+                draft = dflash.measure_costs(pair.target)
+            elif dflash is not None:
                 draft = measure_block_costs(dflash, pair.target)
             else:
                 draft = (
@@ -370,7 +372,7 @@ class DraftController:
             target=target,
             draft=draft,
             static=static,
-            block=dflash is not None,
+            block=dflash is not None and getattr(dflash, "block", True),
             calibrated=calibrate,
         )
 

@@ -31,8 +31,9 @@ import mlx.core as mx
 from . import core, sampling
 from .adaptive import MAX_AUTO_DRAFT, AutoRow, FixedRow
 from .core import MAX_DRAFT_TOKENS, Step
-from .drafters import DFlashProposer, LookupIndex, ModelProposer, prefill_rows
+from .drafters import LookupIndex, ModelProposer, prefill_rows
 from .families import make_ragged_cache
+from .heads import feature_proposer
 
 COMPACT_WASTE = 0.5
 # A hybrid row drafts by lookup when its last HYBRID_MIN_NGRAM tokens occurred before:
@@ -82,7 +83,7 @@ class BatchDecoder:
         self.t_rows, self.t_cache = make_ragged_cache(pair.target, 0)
         self.proposer = None
         if getattr(pair, "dflash", None) is not None:
-            self.proposer = DFlashProposer(pair.dflash, pair.target_vocab)
+            self.proposer = feature_proposer(pair.dflash, pair.target_vocab)
         elif pair.draft is not None:
             self.proposer = ModelProposer(pair.draft, pair.draft_vocab, pair.target_vocab)
         self._joining: list[tuple[_Row, list[int]]] = []  # added, not yet prefilled
@@ -132,7 +133,7 @@ class BatchDecoder:
                 rows, _ = prefill_rows(
                     self.pair.target, prompts, lambda keep: state.extend(cap.features, keep)
                 )
-            self.proposer.admit_state(state, [(r.key, r.params, r.seed) for r, _ in joining])
+            self.proposer.admit_state(state, [(r.key, r.params, r.seed, ids) for r, ids in joining])
         else:
             rows, _ = prefill_rows(self.pair.target, prompts)
             if self.proposer is not None:

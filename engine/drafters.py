@@ -278,10 +278,11 @@ class DFlashProposer:
         """A context manager: target forwards inside it record the features."""
         return self.drafter.capture(target)
 
-    def admit_state(self, state, rows: list[tuple[object, sampling.SamplingParams, int]]) -> None:
-        """Rows (key, params, seed) joining, with the context their prefill passes built."""
+    def admit_state(self, state, rows: list[tuple]) -> None:
+        """Rows (key, params, seed, prompt ids) joining, with the context their prefill
+        passes built."""
         self.state.append(state)
-        for key, params, seed in rows:
+        for key, params, seed, *_ in rows:
             self.keys.append(key)
             self.params[key], self.seeds[key] = params, seed
 

@@ -14,6 +14,8 @@ from mlx.utils import tree_flatten, tree_map
 
 from .blas import blas_info
 from .dflash import is_dflash_dir, load_dflash
+from .eagle3 import is_eagle3_dir, load_eagle3
+from .mtp import is_mtp_spec, load_mtp
 from .types import ModelLoadError, TokenizerMismatchError
 
 log = logging.getLogger("specfleet.engine")
@@ -42,7 +44,10 @@ class ModelPair:
     draft_vocab: int
     name: str
     controller: Any = field(default=None, repr=False)
-    dflash: Any = None  # an engine.dflash.DFlashDrafter when --draft names one (draft is None)
+    #: A drafter that reads target hidden states (draft is None): an engine.dflash
+    #: DFlashDrafter, the target's own MTP head (engine.mtp, --draft mtp) or an EAGLE-3
+    #: head (engine.eagle3).
+    dflash: Any = None
     #: Why the target runs with plain decoding only (a layer kind with no exact ragged
     #: form: engine.plain), or None when the speculative decoder runs it.
     plain_only: str | None = None
@@ -55,10 +60,7 @@ class ModelPair:
             "name": self.name,
             "target": self.target_path,
             "draft": self.draft_path,
-            # What drafts for drafter "model": a draft LM, or the block drafter's kind.
-            "draft_kind": (
-                self.dflash.kind if self.dflash is not None else ("model" if self.draft else None)
-            ),
+            "drafter": self.drafter_kind,
             "target_parameters": _num_params(self.target),
             "draft_parameters": _num_params(self.draft) if self.draft is not None else 0,
             "context_length": self.context_length,
@@ -69,6 +71,14 @@ class ModelPair:
             "blas": blas_info(),
             "features": self.features().as_dict(),
         }
+
+    @property
+    def drafter_kind(self) -> str | None:
+        """What drafts for drafter "model": "model" (a draft LM), "dflash", "mtp",
+        "eagle3", or None."""
+        if self.dflash is not None:
+            return self.dflash.kind
+        return "model" if self.draft is not None else None
 
     def features(self):
         """Which drafters and batching this pair supports, and its layer kinds
@@ -184,7 +194,13 @@ def load_pair(
     draft_model, draft_path, draft_vocab = None, None, 0
     target_vocab = _vocab_rows(model, config)
     dflash = None
-    if draft is not None and use_draft and is_dflash_dir(draft):
+    if draft is not None and use_draft and is_mtp_spec(draft):
+        draft_path = "mtp"
+        dflash = load_mtp(target_path, model, config)
+    elif draft is not None and use_draft and is_eagle3_dir(draft):
+        draft_path = os.fspath(draft)
+        dflash = load_eagle3(draft_path, model, config)
+    elif draft is not None and use_draft and is_dflash_dir(draft):
         draft_path = os.fspath(draft)
         dflash = load_dflash(draft_path, model, config)
     elif draft is not None and use_draft:

@@ -40,7 +40,7 @@ from engine.types import ModelLoadError
 
 HIDDEN = 64
 TEXTS = ["def parse_header(line):\n    ", "import os\n", "class Stack:\n    def push(self):"]
-COMPARE = Path(__file__).resolve().parent.parent / "scripts" / "compare_mlx_vlm.py"
+COMPARE = Path(__file__).resolve().parent.parent / "scripts" / "compare_mlx_vlm_dflash.py"
 BLOCKS = (("model", 1), ("model", 2), ("model", 3))  # draft lengths 1..3 mixed
 
 
@@ -130,7 +130,7 @@ def test_the_published_dflash2_layout_loads(tmp_path):
     assert not any("embed" in k or "lm_head" in k for k in shapes)
 
     pair = engine.load_pair(target, tmp_path / "d2", calibrate=False)
-    assert pair.dflash.kind == "dflash2" and pair.info()["draft_kind"] == "dflash2"
+    assert pair.dflash.kind == "dflash2" and pair.info()["drafter"] == "dflash2"
     loaded = dict(tree_flatten(pair.dflash.model.parameters()))
     for name, value in tree_flatten(written.parameters()):
         assert mx.array_equal(loaded[name], value), name
@@ -489,7 +489,7 @@ def test_spec_worker_with_a_dflash2_draft_says_so_and_serves_a_batch(
     args = ["--target", str(target), "--draft", str(tmp_path / "d2"), "--alias", "tiny"]
     worker = start_worker("--burst", "--batch", "4", *args)
     assert worker.wait(timeout=300) == 0, worker.log
-    assert "'draft_kind': 'dflash2'" in worker.log  # the start-up line names the kind
+    assert "'drafter': 'dflash2'" in worker.log  # the start-up line names the kind
     out = tmp_path / "r.jsonl"
     assert redis_env.run("spec-collect", batch, "-o", str(out)).returncode == 0
     results = read_jsonl(out)

@@ -210,9 +210,12 @@ def machine_memory() -> tuple[int, str]:
 
 def _model_dirs(target: str | None, draft: str | None) -> tuple[Path, Path | None]:
     from engine.loading import DEMO_DRAFT, DEMO_TARGET
+    from engine.mtp import is_mtp_spec
 
     if target is None and draft is None:
         return DEMO_TARGET, DEMO_DRAFT
+    if is_mtp_spec(draft):  # the head's weights are in the target's files
+        draft = None
     return Path(target).expanduser() if target else DEMO_TARGET, (
         Path(draft).expanduser() if draft else None
     )
@@ -299,6 +302,10 @@ def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
         f"{info['name']}: target {info['target_parameters'] / 1e6:.3g}M parameters, "
         f"context {info['context_length']}"
     )
+    if pair.dflash is not None and hasattr(pair.dflash, "describe"):  # MTP, EAGLE-3
+        return Check(
+            "OK", "pair", f"{what}; drafter {pair.dflash.kind}: {pair.dflash.describe()}"
+        ), pair
     if pair.dflash is not None:
         d = pair.dflash.info()
         return Check(
@@ -335,7 +342,9 @@ def check_features(pair) -> Check:
     layers = f"target layers: {kinds(f.target_layers)}"
     if f.draft_layers:
         layers += f"; draft layers: {kinds(f.draft_layers)}"
-    if pair.dflash is not None:
+    if pair.dflash is not None and hasattr(pair.dflash, "head"):  # MTP, EAGLE-3
+        layers += f"; draft: {pair.dflash.kind} head, {len(pair.dflash.head.layers)} layer(s)"
+    elif pair.dflash is not None:
         layers += f"; draft: {pair.dflash.config.name}, block size {pair.dflash.block_size}"
     batching = "batching exact" if f.batching else "no batching"
     return Check("OK", "features", f"drafters {', '.join(f.drafters)}; {batching}; {layers}")

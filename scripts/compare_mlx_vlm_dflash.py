@@ -5,7 +5,7 @@ A drafter read differently from its authors stays lossless (the target verifies 
 token) but loses the acceptance it was trained for, so equal acceptance, step for step, is
 the check that the published layout is read the way mlx-vlm reads it.
 
-    python scripts/compare_mlx_vlm.py --mlx-vlm /tmp/mlxvlm2/x
+    python scripts/compare_mlx_vlm_dflash.py --mlx-vlm /tmp/mlxvlm2/x
 
 `--mlx-vlm` is a directory holding the `mlx_vlm` package (an unzipped wheel:
 `pip download mlx-vlm==0.7.10 --no-deps` and unzip). Only its drafter modules are imported;

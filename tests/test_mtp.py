@@ -1,0 +1,372 @@
+"""Native MTP heads (`--draft mtp`): the target drafts with the `mtp.*` weights of its
+own checkpoint. Loads from the published names, drafts for real, greedy output equals
+target-only output single and batched, each step drafts what the plainest loop over the
+head's definition drafts, sampling follows the target's law (chi-square) with rows
+rolled back per row on a hybrid target, and checkpoints without a head are refused in
+one line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import chisquare
+import mlx.core as mx
+import mlx_lm
+import pytest
+from conftest import script
+from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
+from tiny_families import build_model, tokenizer_dir
+from tiny_heads import add_mtp_head, to_hf_layout
+from tiny_models import reference_greedy
+
+import engine
+from engine import GenerationRequest, heads, mtp
+from engine.adaptive import DraftController
+from engine.batch import SpeculativeDecoder
+from engine.loading import ModelPair
+from engine.sampling import SamplingParams
+from engine.types import ModelLoadError
+
+PROMPTS = ["def parse(line):\n    ", "import os\n", "x = [", "for i in range(10):"]
+SETUPS = (("model", 1), ("model", 2), ("model", 3))
+N_DRAWS = 10_000
+N_EQUAL = 200
+N_MUTANT = 6_000
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("mtp")
+    tok, vocab = tokenizer_dir(tmp)
+    target = build_model(tmp / "qwen3_5", "qwen3_5", vocab_size=vocab, tokenizer_from=tok)
+    add_mtp_head(target)
+    return target
+
+
+@pytest.fixture(scope="module")
+def mtp_pair(tiny_dir):
+    return engine.load_pair(tiny_dir, "mtp", calibrate=False)
+
+
+def test_the_head_loads_from_its_published_names(tiny_dir, mtp_pair):
+    names = set(mx.load(str(tiny_dir / "model.safetensors")))
+    for name in ("mtp.fc.weight", "mtp.pre_fc_norm_embedding.weight", "mtp.norm.weight"):
+        assert name in names
+    assert "mtp.layers.0.self_attn.q_proj.weight" in names
+    assert mtp_pair.dflash.kind == "mtp"
+    assert mtp_pair.info()["drafter"] == "mtp" and mtp_pair.draft_path == "mtp"
+    # The head's tensors are the file's, not fresh random ones.
+    file_fc = mx.load(str(tiny_dir / "model.safetensors"))["mtp.fc.weight"]
+    assert mx.array_equal(mtp_pair.dflash.head.fc.weight, file_fc)
+
+
+@pytest.mark.parametrize("k", [1, 3, "auto"])
+def test_greedy_equals_target_only_single_and_batched(mtp_pair, k):
+    pair = mtp_pair
+    requests = [
+        GenerationRequest(prompt=p, max_tokens=20, temperature=0.0, num_draft_tokens=k)
+        for p in PROMPTS
+    ]
+    ids = [pair.tokenizer.encode(p) for p in PROMPTS]
+    refs = [reference_greedy(pair, i, 20) for i in ids]
+    single = [engine.generate(pair, r) for r in requests]
+    batched = dict(engine.generate_many(pair, requests, max_batch=3))
+    for i, ref in enumerate(refs):
+        assert single[i].token_ids == ref[: len(single[i].token_ids)], (k, i)
+        assert batched[i].token_ids == single[i].token_ids, (k, i)
+    stats = [r.stats.to_dict() for r in single]
+    assert {s["drafter"] for s in stats} == {"mtp"}
+    if k != "auto":
+        assert sum(s["num_draft_tokens"] for s in stats) > 0
+
+
+# -- the head's definition, step by step ------------------------------------------------
+def head_reference(pair: ModelPair, prompt: list[int], steps: int, k: int) -> list[list[int]]:
+    """The drafts of each verify step of greedy decoding, from the definition alone: no
+    caches; the head reads (h_i, x_{i+1}) for every earlier position i, with h the
+    target's final hidden states, then chains its own outputs for drafts 2..k."""
+    drafter = pair.dflash
+    text = list(prompt)
+    seen = []
+    while len(seen) < steps:
+        with drafter.capture(pair.target) as cap:
+            logits = pair.target(mx.array([text]))
+            hidden = cap.features
+        # Pairs (h_i, x_{i+1}) for i < len(text) - 1: up to the pending (newest) token.
+        tokens, pairs_h = mx.array([text[1:]]), hidden[:, :-1]
+        if drafter.kind == "eagle3":  # its fc projects target features, not chained ones
+            pairs_h = drafter.head.fc(pairs_h)
+        drafts = []
+        for _ in range(k):
+            out = drafter.step(tokens, pairs_h, None)[:, -1:]
+            d = int(mx.argmax(drafter.logits(out[:, -1])[0]).item())
+            drafts.append(d)
+            tokens = mx.concatenate([tokens, mx.array([[d]])], axis=1)
+            pairs_h = mx.concatenate([pairs_h, out], axis=1)
+        seen.append(drafts)
+        # Accept as the target would: its argmax after the pending token and each draft.
+        with drafter.capture(pair.target):
+            logits = pair.target(mx.array([text + drafts]))
+        best = mx.argmax(logits[0, len(text) - 1 :], axis=-1).tolist()
+        n = next((i for i, d in enumerate(drafts) if d != best[i]), k)
+        text += drafts[:n] + [best[n]]
+    return seen
+
+
+def _recorded_drafts(pair, prompt, steps, k, monkeypatch) -> tuple[list, int]:
+    seen = []
+    original = heads.HeadProposer.propose
+
+    def record(self, want, positions):
+        drafts, laws = original(self, want, positions)
+        seen.append(drafts.get(0))
+        return drafts, laws
+
+    monkeypatch.setattr(heads.HeadProposer, "propose", record)
+    dec = SpeculativeDecoder(
+        pair, prompt, SamplingParams(0.0), num_draft_tokens=k, max_tokens=10_000
+    )
+    accepted = sum(dec.step().accepted for _ in range(steps))
+    return seen, accepted
+
+
+@pytest.fixture(scope="module")
+def small_vocab_mtp(tmp_path_factory) -> ModelPair:
+    """A 6-token hybrid qwen3_5 target (gated delta-net + full attention) with an MTP head."""
+    tmp = tmp_path_factory.mktemp("v6mtp")
+    tok, _ = tokenizer_dir(tmp)
+    target = build_model(
+        tmp / "t",
+        "qwen3_5",
+        vocab_size=VOCAB,
+        tokenizer_from=tok,
+        hidden=16,
+        seed=11,
+        scale=2.0,
+        layers=2,
+    )
+    add_mtp_head(target, seed=23, scale=1.0)
+    t_model, config = mlx_lm.utils.load_model(target)
+    pair = ModelPair(t_model, None, None, str(target), "mtp", 512, VOCAB, VOCAB, "m6")
+    pair.dflash = mtp.load_mtp(str(target), t_model, config)
+    pair.controller = DraftController.for_pair(pair, calibrate=False)
+    return pair
+
+
+def test_each_step_drafts_what_the_definition_drafts(small_vocab_mtp, monkeypatch):
+    prompt = [1, 4, 2, 2, 5, 3, 0, 1]
+    seen, accepted = _recorded_drafts(small_vocab_mtp, prompt, 12, 3, monkeypatch)
+    assert seen == head_reference(small_vocab_mtp, prompt, 12, 3)
+    assert accepted > 0  # the head's drafts pass, so this compares more than first drafts
+
+
+def test_a_head_that_keeps_its_chained_entries_fails_the_step_test(small_vocab_mtp, monkeypatch):
+    # Mutation: the chained passes stay in the head's cache instead of being read again
+    # with the target's hidden states (lossless, but not the head's definition).
+    original = heads.HeadProposer.commit
+
+    def keep_chained(self, emitted, accepted):
+        drop = self.rows.drop_last
+        self.rows.drop_last = lambda counts: None
+        try:
+            original(self, emitted, accepted)
+        finally:
+            self.rows.drop_last = drop
+
+    monkeypatch.setattr(heads.HeadProposer, "commit", keep_chained)
+    prompt = [1, 4, 2, 2, 5, 3, 0, 1]
+    seen, _ = _recorded_drafts(small_vocab_mtp, prompt, 12, 3, monkeypatch)
+    monkeypatch.undo()
+    assert seen != head_reference(small_vocab_mtp, prompt, 12, 3)
+
+
+# -- the sampling law --------------------------------------------------------------------
+def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
+    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=SETUPS)
+
+
+@pytest.mark.slow
+def test_mtp_sampling_follows_the_target_law(small_vocab_mtp):
+    law = chisquare.exact_law(small_vocab_mtp.target, PROMPT, PARAMS, LENGTH, VOCAB)
+    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
+    assert chi_square_p(law, draw(small_vocab_mtp, N_DRAWS, seed0=11_000_000)) > P_FAIL
+    chisquare.single_equals_batched(
+        small_vocab_mtp, N_EQUAL, 12_000_000, PROMPT, PARAMS, LENGTH, setups=SETUPS
+    )
+
+
+def test_an_mtp_law_at_the_wrong_temperature_fails_the_test(small_vocab_mtp, monkeypatch):
+    original = heads.HeadProposer.propose
+
+    def wrong_law(self, want, positions):
+        # Mutation: q is not the law the drafts were drawn from (sharpened).
+        found, laws = original(self, want, positions)
+        return found, {k: q**4 / mx.sum(q**4, axis=-1, keepdims=True) for k, q in laws.items()}
+
+    monkeypatch.setattr(heads.HeadProposer, "propose", wrong_law)
+    law = chisquare.exact_law(small_vocab_mtp.target, PROMPT, PARAMS, LENGTH, VOCAB)
+    assert chi_square_p(law, draw(small_vocab_mtp, N_MUTANT, seed0=13_000_000)) < P_FAIL
+
+
+# -- refusals and the command line -------------------------------------------------------
+def _copy(src, dst, config_edit=None, drop=()):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    if config_edit:
+        cfg = json.loads((dst / "config.json").read_text())
+        config_edit(cfg)
+        (dst / "config.json").write_text(json.dumps(cfg))
+    if drop:
+        w = mx.load(str(dst / "model.safetensors"))
+        w = {k: v for k, v in w.items() if not any(k.startswith(d) for d in drop)}
+        mx.save_safetensors(str(dst / "model.safetensors"), w)
+    return dst
+
+
+def test_checkpoints_without_a_head_are_refused_in_one_line(tiny_dir, tmp_path):
+    cases = [
+        (
+            _copy(tiny_dir, tmp_path / "a", lambda c: c.pop("mtp_num_hidden_layers")),
+            "config has no text_config.mtp_num_hidden_layers: this checkpoint has no MTP "
+            "head (use --draft DIR with a draft model or drafter)",
+        ),
+        (
+            _copy(tiny_dir, tmp_path / "b", drop=("mtp.",)),
+            "config says mtp_num_hidden_layers 1 but the safetensors hold no mtp.* tensors "
+            "(mlx-lm conversions drop them; use the original checkpoint)",
+        ),
+        (
+            _copy(tiny_dir, tmp_path / "c", drop=("mtp.fc.",)),
+            "mtp.* tensors do not match the config: Missing 1 parameters: fc.weight.",
+        ),
+    ]
+    for path, message in cases:
+        with pytest.raises(ModelLoadError) as info:
+            engine.load_pair(path, "mtp", calibrate=False)
+        assert str(info.value) == f"--draft mtp: target {path}: {message}"
+
+
+def test_a_target_family_without_mtp_heads_is_refused(tmp_path):
+    tok, vocab = tokenizer_dir(tmp_path)
+    target = build_model(tmp_path / "llama", "llama", vocab_size=vocab, tokenizer_from=tok)
+    with pytest.raises(ModelLoadError) as info:
+        engine.load_pair(target, "mtp", calibrate=False)
+    assert str(info.value) == (
+        f"--draft mtp: target {target}: model_type 'llama' has no MTP head this engine "
+        "reads (it reads qwen3_5)"
+    )
+
+
+def test_spec_run_with_draft_mtp_names_the_drafter(tiny_dir, tmp_path):
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(
+        "".join(
+            json.dumps({"custom_id": f"r{i}", "prompt": p, "max_tokens": 12, "temperature": 0})
+            + "\n"
+            for i, p in enumerate(PROMPTS[:2])
+        )
+    )
+    out = tmp_path / "results.jsonl"
+    run = subprocess.run(
+        [
+            script("spec-run"),
+            str(jobs),
+            "--target",
+            str(tiny_dir),
+            "--draft",
+            "mtp",
+            "-o",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(lines) == 2
+    spec = [ln["response"]["body"]["metrics"]["speculative_decoding"] for ln in lines]
+    assert {s["drafter"] for s in spec} == {"mtp"}
+
+
+def test_a_hugging_face_layout_checkpoint_drafts_the_same(tiny_dir, mtp_pair, tmp_path):
+    # Published Qwen3.5 files store RMSNorm weights as offsets from 1, the head's too.
+    hf = engine.load_pair(to_hf_layout(tiny_dir, tmp_path / "hf"), "mtp", calibrate=False)
+    prompt = mtp_pair.tokenizer.encode(PROMPTS[0])
+    ours = head_reference(mtp_pair, prompt, 3, 3)
+    assert head_reference(hf, prompt, 3, 3) == ours
+    h = mx.random.normal((1, 4, mtp_pair.dflash.head.hidden_size), key=mx.random.key(0))
+    x = mx.array([prompt[:4]])
+    assert mx.allclose(hf.dflash.step(x, h, None), mtp_pair.dflash.step(x, h, None), atol=1e-5)
+
+
+def test_spec_doctor_names_the_mtp_head(tiny_dir):
+    from click.testing import CliRunner
+
+    from worker.doctor import main
+
+    env = {"SPEC_REDIS_URL": None, "REDIS_URL": None}
+    res = CliRunner().invoke(
+        main, ["--target", str(tiny_dir), "--draft", "mtp", "--no-bench"], env=env
+    )
+    assert res.exit_code == 0, res.output
+    lines = res.stdout.splitlines()
+    pair = next(ln for ln in lines if ln.startswith("OK   pair:"))
+    assert pair.endswith("drafter mtp: the target's own MTP head, 1 layer(s), 0.0495M parameters")
+    memory = next(ln for ln in lines if " memory:" in ln)
+    assert memory.startswith("OK") and "draft" not in memory  # the head is in the target
+    assert "; draft: mtp head, 1 layer(s)" in next(ln for ln in lines if " features:" in ln)
+
+
+def test_spec_worker_with_draft_mtp_serves_a_batch(tiny_dir, redis_env, start_worker, tmp_path):
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text(
+        "".join(
+            json.dumps({"custom_id": f"r{i}", "prompt": p, "max_tokens": 8, "temperature": 0})
+            + "\n"
+            for i, p in enumerate(PROMPTS[:3])
+        )
+    )
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", str(jobs), "--batch-id", batch).returncode == 0
+    worker = start_worker("--burst", "--target", str(tiny_dir), "--draft", "mtp", "--alias", "demo")
+    assert worker.wait(timeout=300) == 0, worker.log
+    assert "'draft': 'mtp', 'drafter': 'mtp'" in worker.log  # the start-up line names it
+    out = tmp_path / "out.jsonl"
+    assert redis_env.run("spec-collect", batch, "-o", str(out)).returncode == 0
+    lines = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [ln["custom_id"] for ln in lines] == ["r0", "r1", "r2"]
+    spec = [ln["response"]["body"]["metrics"]["speculative_decoding"] for ln in lines]
+    assert {s["drafter"] for s in spec} == {"mtp"}
+    ids = [mtp_tokens(tiny_dir, p) for p in PROMPTS[:3]]
+    assert [ln["response"]["body"]["choices"][0]["text"] for ln in lines] == ids
+
+
+def mtp_tokens(target_dir, prompt: str) -> str:
+    """Target-only greedy text of 8 tokens, for comparison with the worker's results."""
+    pair = engine.load_pair(target_dir, use_draft=False, calibrate=False)
+    req = GenerationRequest(prompt=prompt, max_tokens=8, temperature=0.0, drafter="none")
+    return engine.generate(pair, req).text
+
+
+def test_auto_prices_k_head_passes_from_measured_costs(small_vocab_mtp):
+    # A head drafts one token per pass: priced like a draft model (not a block drafter),
+    # from one head pass plus the LM head timed for 1..32 rows.
+    controller = DraftController.for_pair(small_vocab_mtp, calibrate=True)
+    assert controller.block is False
+    assert controller.draft.sizes == [1, 2, 4, 8, 16, 32]
+    one = controller.step_seconds(4, 4, 1, 4) - controller.step_seconds(4, 4, 0, 4)
+    three = controller.step_seconds(4, 4, 3, 4) - controller.step_seconds(4, 4, 0, 4)
+    assert three == pytest.approx(3 * one)
+
+
+def test_a_prompt_longer_than_a_chunk_is_read_ahead_exactly(mtp_pair, monkeypatch):
+    # Pending pairs past PREFILL_CHUNK are read in chunks before the drafting pass.
+    import random
+
+    vocab = mtp_pair.target_vocab
+    prompt = [random.Random(3).randrange(vocab) for _ in range(heads.PREFILL_CHUNK + 90)]
+    seen, _ = _recorded_drafts(mtp_pair, prompt, 4, 3, monkeypatch)
+    assert seen == head_reference(mtp_pair, prompt, 4, 3)
