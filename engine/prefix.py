@@ -406,3 +406,21 @@ def _params(model) -> int:
     from mlx.utils import tree_flatten
 
     return sum(v.size for _, v in tree_flatten(model.parameters()))
+
+
+def prefix_line(pair) -> str:
+    """The prefix cache of a loaded pair in one line, for start-up logs and spec-doctor."""
+    caches = getattr(pair, "prefix", None)
+    if caches is None or (caches.target is None and caches.draft is None):
+        why = caches.not_kept if caches is not None else "not set up"
+        return f"prefix cache: off ({why})"
+    if not caches.budget:
+        return "prefix cache: off (SPEC_PREFIX_CACHE_MB=0)"
+    parts = [f"prefix cache: {caches.budget / (1 << 20):.0f} MiB"]
+    for role, cache in (("target", caches.target), ("draft", caches.draft)):
+        if cache is not None:
+            parts.append(f"{role} {cache.budget / (1 << 20):.0f} MiB")
+    line = parts[0] + " (" + ", ".join(parts[1:]) + f"), blocks of {BLOCK} tokens"
+    if caches.not_kept:
+        line += f"; not kept: {caches.not_kept}"
+    return line
