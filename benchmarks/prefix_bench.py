@@ -181,7 +181,9 @@ def main(argv=None) -> int:
             results[name] = (out, cached, peak, before, after)
             print(f"  round {r + 1}: {name}: {s:.1f} s, peak {peak:.0f} MiB", flush=True)
     ref = results["batch_generate"][0]
-    print("| contender | seconds (per round) | tok/s | peak MiB | prompt tokens reused | equal to batch_generate |")
+    print(
+        "| contender | seconds (per round) | tok/s | peak MiB | prompt tokens reused | equal to batch_generate |"
+    )
     print("|---|---|---|---|---|---|")
     total_prompt = sum(map(len, shared))
     rate = {}
@@ -189,7 +191,9 @@ def main(argv=None) -> int:
         out, cached, peak, _, _ = results[name]
         tokens = sum(map(len, out))
         rate[name] = tokens * len(secs) / sum(secs)
-        base = results["control: batch_generate" if name.startswith("control") else "batch_generate"][0]
+        base = results[
+            "control: batch_generate" if name.startswith("control") else "batch_generate"
+        ][0]
         equal = sum(a == b for a, b in zip(out, base, strict=True))
         print(
             f"| {name} | {', '.join(f'{x:.1f}' for x in secs)} | {rate[name]:.1f} | {peak:.0f} | "

@@ -59,6 +59,7 @@ def test_shared_prefixes_are_reused_through_spec_run_and_the_queue(
     worker = start_worker("--burst", "--batch", "8", *PAIR_ARGS)
     assert worker.wait(timeout=300) == 0, worker.log
     assert "prefix cache: " in worker.log
+    assert f"{sum(cached)} reused from the prefix cache" in res.stderr
     results = tmp_path / "results.jsonl"
     assert redis_env.run("spec-collect", batch, "-o", str(results)).returncode == 0
     got = read_jsonl(results)

@@ -311,5 +311,6 @@ def run(
         f"spec-run: batch {batch_id}: {summary.completed} completed, {summary.failed} failed "
         f"in {summary.seconds:.1f} s; {summary.completion_tokens} tokens, {rate:.1f} tok/s; "
         f"acceptance {sd['draft_acceptance_rate']:.2f}, mean acceptance length "
-        f"{sd['mean_acceptance_length']:.2f}"
+        f"{sd['mean_acceptance_length']:.2f}; prompt tokens {summary.prompt_tokens}, "
+        f"{summary.cached_tokens} reused from the prefix cache"
     )
