@@ -13,8 +13,8 @@ hand a row another prompt's state. A segment holds, per layer:
   window, so its keys are exact whatever the window): the keys and values of the
   segment's positions, stored once and copied into each batch that reuses them;
 - recurrent state (engine/recurrent.py): a snapshot at the segment's end. A recurrent
-  state exists only where a pass ended, so prefill passes stop at block boundaries
-  worth keeping (the chunk size, and each prompt's last block boundary).
+  state exists only where a pass ended, so in such a model prefill passes stop at
+  block boundaries worth keeping (the chunk size, and each prompt's last boundary).
 
 Entries are made while prefilling, and rows that join together and share a prefix
 have it prefilled once first, so even the first batch of a job shares. Memory is
@@ -268,12 +268,12 @@ def _snapshot(caches, valid_row: np.ndarray, row: int, start: int, end: int) -> 
     return out
 
 
-def _stops(cache: PrefixCache, start: int, n: int) -> list[int]:
-    """Where a row's prefill passes end: chunk boundaries, its last block boundary
-    (where its own entry ends), and its end."""
+def _stops(cache: PrefixCache, start: int, n: int, recurrent: bool) -> list[int]:
+    """Where a row's prefill passes end: chunk boundaries, its end and, for a model
+    with recurrent layers, its last block boundary (the only place a state exists)."""
     last_block = (n // cache.block) * cache.block
     stops = set(range(start + CHUNK, n, CHUNK)) | {n}
-    if last_block > start:
+    if recurrent and last_block > start:
         stops.add(last_block)
     return sorted(stops)
 
@@ -317,7 +317,7 @@ def _prefill(model, prompts, hits, cache: PrefixCache):
     recurrent = any(isinstance(c, RecurrentLayerCache) for c in caches)
     pos = [h.end if h is not None else 0 for h in hits]
     tails = list(hits)  # each row's newest kept entry (None: none, or not kept)
-    stops = [_stops(cache, p0, len(p)) for p0, p in zip(pos, prompts, strict=True)]
+    stops = [_stops(cache, p0, len(p), recurrent) for p0, p in zip(pos, prompts, strict=True)]
     while any(p < len(prompt) for p, prompt in zip(pos, prompts, strict=True)):
         ends = [next((s for s in st if s > p), p) for st, p in zip(stops, pos, strict=True)]
         chunks = [prompt[p:e] for prompt, p, e in zip(prompts, pos, ends, strict=True)]
