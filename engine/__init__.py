@@ -1,7 +1,8 @@
 """specfleet's engine: lossless speculative decoding on MLX.
 
 Public API: load_pair, ModelPair, GenerationRequest, GenerationResult, SpecStats,
-generate, generate_many (batched), stream (StreamItem pieces, the last with the result), count_prompt_tokens, and the errors below EngineError.
+generate, generate_many (batched), stream (StreamItem pieces, the last with the result), count_prompt_tokens, prefix_line (the
+prefix cache in words), and the errors below EngineError.
 
 MLX is imported on first use of anything that needs it (after a fast system BLAS
 is loaded on Linux), so `engine.types` stays cheap to import.
@@ -44,6 +45,7 @@ __all__ = [
     "generate",
     "generate_many",
     "load_pair",
+    "prefix_line",
     "stream",
 ]
 
@@ -54,6 +56,7 @@ _LAZY = {
     "generate_many": "text",
     "stream": "text",
     "count_prompt_tokens": "text",
+    "prefix_line": "prefix",
 }
 
 

@@ -34,6 +34,7 @@ from .core import MAX_DRAFT_TOKENS, Step
 from .drafters import LookupIndex, ModelProposer, prefill_rows
 from .families import make_ragged_cache
 from .heads import feature_proposer
+from .prefix import prefill_cached
 
 COMPACT_WASTE = 0.5
 # A hybrid row drafts by lookup when its last HYBRID_MIN_NGRAM tokens occurred before:
@@ -54,6 +55,7 @@ class _Row:
     target_pending: int
     lookup: LookupIndex | None = None  # lookup drafter, or greedy auto "model" (hybrid)
     generated: int = 0
+    cached_tokens: int = 0  # prompt tokens whose target state came from the prefix cache
 
     @property
     def greedy_auto(self) -> bool:
@@ -85,7 +87,9 @@ class BatchDecoder:
         if getattr(pair, "dflash", None) is not None:
             self.proposer = feature_proposer(pair.dflash, pair.target_vocab)
         elif pair.draft is not None:
-            self.proposer = ModelProposer(pair.draft, pair.draft_vocab, pair.target_vocab)
+            self.proposer = ModelProposer(
+                pair.draft, pair.draft_vocab, pair.target_vocab, prefix=_prefix(pair, "draft")
+            )
         self._joining: list[tuple[_Row, list[int]]] = []  # added, not yet prefilled
         self.controller = pair.controller
 
@@ -135,7 +139,13 @@ class BatchDecoder:
                 )
             self.proposer.admit_state(state, [(r.key, r.params, r.seed, ids) for r, ids in joining])
         else:
-            rows, _ = prefill_rows(self.pair.target, prompts)
+            cache = _prefix(self.pair, "target")
+            if cache is not None:
+                rows, _, reused = prefill_cached(self.pair.target, prompts, cache)
+                for (row, _), n in zip(joining, reused, strict=True):
+                    row.cached_tokens = n
+            else:
+                rows, _ = prefill_rows(self.pair.target, prompts)
             if self.proposer is not None:
                 self.proposer.admit(
                     [(r.key, ids, r.params, r.seed) for r, ids in joining if r.drafter == "model"]
@@ -217,7 +227,7 @@ class BatchDecoder:
         if not cold:
             return 0, 1.0
         waking = [
-            (len(cold[r.key][0]), r.max_tokens - r.generated)
+            (self.proposer.cold_tokens(r.key), r.max_tokens - r.generated)
             for r, c in auto_rows
             if r.key in cold and c.source == "model"
         ]
@@ -233,7 +243,8 @@ class BatchDecoder:
             return None
         cold = getattr(self.proposer, "cold", {})
         row, choice = min(
-            candidates, key=lambda rc: len(cold[rc[0].key][0]) if rc[0].key in cold else -1
+            candidates,
+            key=lambda rc: self.proposer.cold_tokens(rc[0].key) if rc[0].key in cold else -1,
         )
         return choice
 
@@ -393,12 +404,23 @@ class BatchDecoder:
         self.controller.observe_step(len(self.rows), width, verify_s, depth, members, draft_s)
 
     # -- inspection (tests, statistics) ------------------------------------------------
+    def cached_tokens(self, key) -> int:
+        """Prompt tokens of a row (admitted at a step) that the prefix cache gave."""
+        return next((r.cached_tokens for r in self.rows if r.key == key), 0)
+
     def cache_lengths(self, key) -> tuple[int, int | None]:
         """(target, draft) cache lengths of a row: accepted tokens minus what is pending."""
         i = next(i for i, r in enumerate(self.rows) if r.key == key)
         target = self.t_rows.offset.tolist()[i]
         draft = self.proposer.lengths().get(key) if self.proposer is not None else None
         return target, draft
+
+
+def _prefix(pair, role: str):
+    """The pair's prefix cache for "target" or "draft", or None where none is kept."""
+    caches = getattr(pair, "prefix", None)
+    cache = getattr(caches, role, None) if caches is not None else None
+    return cache if cache is not None and cache.enabled else None
 
 
 def new_decoder(pair):

@@ -18,6 +18,7 @@ import mlx.core as mx
 
 from . import sampling
 from .families import make_ragged_cache
+from .prefix import prefill_cached
 from .sampling import DRAW_DRAFT
 
 # Squeeze holes out of a DFlash context every this many steps (it checks its waste).
@@ -105,8 +106,9 @@ class ModelProposer:
     needs_features = False
     block = False  # K drafts cost K draft passes
 
-    def __init__(self, model, draft_vocab: int, target_vocab: int):
+    def __init__(self, model, draft_vocab: int, target_vocab: int, prefix=None):
         self.model = model
+        self.prefix = prefix  # engine.prefix.PrefixCache of the draft model, or None
         self.draft_vocab = draft_vocab
         self.target_vocab = target_vocab
         self.rows, self.cache = make_ragged_cache(model, 0)
@@ -125,10 +127,22 @@ class ModelProposer:
         """Prefill cold rows with every token they have; the newest stays pending, as
         in the target."""
         found = [(key, *self.cold.pop(key)) for key in keys]
-        rows, _ = prefill_rows(self.model, [ids[:-1] for _, ids, _, _ in found])
+        prompts = [ids[:-1] for _, ids, _, _ in found]
+        if self.prefix is not None:
+            rows, _, _ = prefill_cached(self.model, prompts, self.prefix)
+        else:
+            rows, _ = prefill_rows(self.model, prompts)
         # A fresh ragged cache's layer objects are grafted onto ours by RaggedRows.append.
         self.rows.append(rows)
         self.members += [_Member(key, [ids[-1]], params, seed) for key, ids, params, seed in found]
+
+    def cold_tokens(self, key) -> int:
+        """Tokens a cold row's first prefill would run the draft over (0 if warm)."""
+        if key not in self.cold:
+            return 0
+        ids = self.cold[key][0]
+        kept = self.prefix.kept_length(ids[:-1]) if self.prefix is not None else 0
+        return len(ids) - kept
 
     def remove(self, keys: set) -> None:
         for key in keys:

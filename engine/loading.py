@@ -51,6 +51,9 @@ class ModelPair:
     #: Why the target runs with plain decoding only (a layer kind with no exact ragged
     #: form: engine.plain), or None when the speculative decoder runs it.
     plain_only: str | None = None
+    #: engine.prefix.PairCaches: kept prompt prefixes shared by every row this pair
+    #: decodes (None: no prefix cache, every prompt is prefilled in full).
+    prefix: Any = field(default=None, repr=False)
 
     def info(self) -> dict:
         """Versions, device, BLAS and model facts, for logs and `spec-doctor`."""
@@ -165,6 +168,7 @@ def load_pair(
     *,
     use_draft: bool = True,
     calibrate: bool = True,
+    prefix_cache_bytes: int | None = None,
 ) -> ModelPair:
     """Load a target and a draft (local directories or hub ids) once.
 
@@ -172,7 +176,8 @@ def load_pair(
     target alone (drafters "lookup" and "none" still work). On the CPU backend
     weights are cast to float32. A target whose layers the speculative decoder cannot
     keep exact (families.check_model) loads without a draft for plain decoding only
-    (engine.plain), with a warning. Raises ModelLoadError (families.UnsupportedModelError
+    (engine.plain), with a warning. `prefix_cache_bytes` bounds the prefix cache
+    (engine.prefix; None: sized from the machine's memory, 0: off). Raises ModelLoadError (families.UnsupportedModelError
     for such a target given with a draft, or such a draft) or TokenizerMismatchError.
     """
     from .families import UnsupportedModelError, check_model
@@ -225,6 +230,9 @@ def load_pair(
         plain_only=plain_only,
     )
     from .adaptive import DraftController
+    from .prefix import pair_caches
+
+    pair.prefix = pair_caches(pair, prefix_cache_bytes)
 
     # Calibration times speculative passes, which a plain-only target never runs.
     pair.controller = DraftController.for_pair(pair, calibrate=calibrate and not plain_only)

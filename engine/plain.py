@@ -58,6 +58,10 @@ class PlainDecoder:
     def remove(self, key) -> None:
         self.rows = [r for r in self.rows if r.key != key]
 
+    def cached_tokens(self, key) -> int:
+        """Plain decoding keeps no prefixes: always 0."""
+        return 0
+
     def step(self) -> dict:
         """One token for every row: {row key: Step}."""
         steps = {}

@@ -140,6 +140,7 @@ class RequestRun:
         self.finish: str | None = None
         self.t_first: float | None = None
         self.finished = False
+        self.cached_tokens: int | None = None  # set by the decoder loop once admitted
 
     def decoder(self, pair) -> SpeculativeDecoder:
         """A single-request token decoder for this request."""
@@ -210,7 +211,12 @@ class RequestRun:
             text=self.text,
             token_ids=self.out,
             finish_reason=self.finish,
-            usage={"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out},
+            usage={
+                "prompt_tokens": n_in,
+                "completion_tokens": n_out,
+                "total_tokens": n_in + n_out,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens or 0},
+            },
             metrics={
                 "time_to_first_token_ms": round(
                     ((self.t_first or self.t_end) - self.t_start) * 1000, 3
@@ -236,6 +242,8 @@ def stream(pair, request: GenerationRequest) -> Iterator[StreamItem]:
 
     def items() -> Iterator[StreamItem]:
         for step in decoder.steps():
+            if run.cached_tokens is None:
+                run.cached_tokens = decoder.batch.cached_tokens(decoder.KEY)
             piece = run.feed(step)
             if run.finished:
                 yield StreamItem(piece, run.result())
@@ -290,6 +298,8 @@ def generate_many(
             return
         for i, step in batch.step().items():
             run = runs[i]
+            if run.cached_tokens is None:
+                run.cached_tokens = batch.cached_tokens(i)
             run.feed(step)
             if run.finished:
                 batch.remove(i)

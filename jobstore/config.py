@@ -111,6 +111,11 @@ SERVE_PORT = 8000
 SERVE_MAX_UPLOAD_BYTES = 512 * 1024 * 1024
 SERVE_MAX_BODY_BYTES = 1024 * 1024
 
+#: MiB each worker's prefix cache (engine.prefix: kept prompt prefixes, target and draft
+#: together) may hold; unset (None): a tenth of the machine's memory, at most 8 GiB;
+#: 0 turns the cache off. Environment: SPEC_PREFIX_CACHE_MB.
+PREFIX_CACHE_MB: int | None = None
+
 #: Alias and batch ids are used in Redis keys and RQ job ids: keep them plain.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -153,6 +158,18 @@ def job_lines(total_lines: int) -> int:
     forced = int(os.environ.get("SPEC_JOB_LINES") or 0)
     chosen = forced if forced > 0 else total_lines // JOB_SPREAD
     return max(1, min(JOB_LINES_MAX, chosen))
+
+
+def prefix_cache_bytes() -> int | None:
+    """Byte budget of a worker's prefix cache (SPEC_PREFIX_CACHE_MB, in MiB), or None to
+    let the engine size it from the machine's memory."""
+    raw = os.environ.get("SPEC_PREFIX_CACHE_MB")
+    mb = PREFIX_CACHE_MB if raw in (None, "") else float(raw)
+    if mb is None:
+        return None
+    if mb < 0:
+        raise ValueError(f"SPEC_PREFIX_CACHE_MB: must be >= 0, got {raw}")
+    return int(mb * (1 << 20))
 
 
 def reconnect_cap_s() -> float:

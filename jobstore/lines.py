@@ -89,6 +89,8 @@ def result_line(
         "prompt_tokens": int(usage["prompt_tokens"]),
         "completion_tokens": int(usage["completion_tokens"]),
         "total_tokens": int(usage["total_tokens"]),
+        # OpenAI's field: prompt tokens whose state came from the worker's prefix cache.
+        "prompt_tokens_details": {"cached_tokens": cached_tokens(usage)},
     }
     body["metrics"] = metrics
     body["seed"] = seed
@@ -99,6 +101,11 @@ def result_line(
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
     }
+
+
+def cached_tokens(usage: dict) -> int:
+    """`usage.prompt_tokens_details.cached_tokens` of an engine usage dict (0 if absent)."""
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0))
 
 
 def error_line(batch_id: str, line: int, custom_id: str | None, code: str, message: str) -> dict:

@@ -27,7 +27,7 @@ from redis.commands.core import Script
 
 from jobstore import config
 from jobstore.keys import Keys
-from jobstore.lines import dumps, error_line, pack
+from jobstore.lines import cached_tokens, dumps, error_line, pack
 from jobstore.stats import drafter_of, summary
 
 log = logging.getLogger("specfleet.store")
@@ -374,6 +374,7 @@ def result_counters(usage: dict, stats: dict, busy_ms: int) -> dict[str, int]:
     counters = {
         "prompt_tokens": int(usage.get("prompt_tokens", 0)),
         "completion_tokens": int(usage.get("completion_tokens", 0)),
+        "cached_prompt_tokens": cached_tokens(usage),
         "busy_ms": int(busy_ms),
     }
     for name in (

@@ -104,6 +104,7 @@ _INT_FIELDS = (
     JOBS_FIELD,
     "prompt_tokens",
     "completion_tokens",
+    "cached_prompt_tokens",
     "busy_ms",
     "result_ttl",
     AUDIT_CHECKED,
@@ -269,6 +270,7 @@ def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
         "usage": {
             "prompt_tokens": int(meta.get("prompt_tokens", 0)),
             "completion_tokens": completion_tokens,
+            "cached_prompt_tokens": int(meta.get("cached_prompt_tokens", 0)),
         },
         "speculative_decoding": store.spec_summary(meta),
         "throughput_tokens_per_second": round(throughput, 2),

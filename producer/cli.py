@@ -202,7 +202,8 @@ def status(batch_id, redis_url, as_json, watch):
         f"{c['completed']} completed, {c['failed']} failed"
     )
     click.echo(
-        f"  tokens: {state['usage']['prompt_tokens']} prompt, "
+        f"  tokens: {state['usage']['prompt_tokens']} prompt "
+        f"({state['usage'].get('cached_prompt_tokens', 0)} reused from prefix caches), "
         f"{state['usage']['completion_tokens']} completion; "
         f"{state['throughput_tokens_per_second']:.1f} tok/s; ETA {eta}"
     )

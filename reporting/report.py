@@ -52,6 +52,7 @@ class Line:
     generation_ms: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
     spec: dict | None = None
     error_code: str | None = None
     error_message: str | None = None
@@ -101,6 +102,7 @@ def _parse(obj: dict) -> Line:
         generation_ms=float(metrics.get("generation_time_ms") or 0.0),
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         completion_tokens=completion_tokens,
+        cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
         spec=spec,
     )
 
@@ -183,6 +185,7 @@ class Summary:
     failed: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     generation_s: float = 0.0
     wall_s: float = 0.0
     num_spec_steps: int = 0
@@ -253,6 +256,7 @@ class _Sums(Summary):
             self.error_examples.setdefault(line.error_code, (line.custom_id, line.error_message))
             return
         self.prompt_tokens += line.prompt_tokens
+        self.cached_tokens += line.cached_tokens
         self.completion_tokens += line.completion_tokens
         self.generation_s += line.generation_ms / 1000
         if line.model:
@@ -557,6 +561,12 @@ def _summary_table(s: Summary) -> str:
         _row("requests", f"{s.requests}"),
         _row("failed", f"{s.failed}"),
         _row("prompt tokens", f"{s.prompt_tokens:,}"),
+        _row(
+            "prompt tokens reused",
+            f"{s.cached_tokens:,}",
+            f"from the workers' prefix caches: hit rate {stats.rate(s.cached_tokens, s.prompt_tokens):.0%}"
+            f", {s.prompt_tokens - s.cached_tokens:,} prefilled",
+        ),
         _row("completion tokens", f"{s.completion_tokens:,}"),
         _row(
             "tokens/s per request",

@@ -93,6 +93,7 @@ def test_healthy_setup_exits_0(models, redis_url):
         "memory",
         "pair",
         "features",
+        "prefix cache",
         "speculation",
     ]
     assert (

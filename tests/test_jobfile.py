@@ -389,7 +389,12 @@ def test_result_and_error_lines_have_the_openai_batch_shape(tmp_path):
         '{"custom_id": "p", "prompt": "hi"}\n'
     )
     chat, completion = validate_file(str(path))
-    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
+    usage = {
+        "prompt_tokens": 3,
+        "completion_tokens": 2,
+        "total_tokens": 5,
+        "prompt_tokens_details": {"cached_tokens": 2},
+    }
     line = result_line("B", chat, "demo", "ok", "stop", usage, {"x": 1}, 9, created=100)
     assert line == {
         "id": "B-1",
@@ -418,8 +423,10 @@ def test_result_and_error_lines_have_the_openai_batch_shape(tmp_path):
         },
         "error": None,
     }
+    usage.pop("prompt_tokens_details")  # an engine that keeps no prefixes: 0
     body = result_line("B", completion, "demo", "ok", "length", usage, {}, None)["response"]["body"]
     assert body["object"] == "text_completion" and body["id"] == "cmpl-B-2"
+    assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert body["choices"] == [
         {"index": 0, "text": "ok", "logprobs": None, "finish_reason": "length"}
     ]

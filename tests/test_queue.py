@@ -173,6 +173,9 @@ def test_end_to_end_two_workers_equal_spec_run(redis_env, start_worker, tmp_path
     assert state["usage"] == {
         "prompt_tokens": sum(b["usage"]["prompt_tokens"] for b in bodies),
         "completion_tokens": sum(b["usage"]["completion_tokens"] for b in bodies),
+        "cached_prompt_tokens": sum(
+            b["usage"]["prompt_tokens_details"]["cached_tokens"] for b in bodies
+        ),
     }
     sd = state["speculative_decoding"]
     lines_sd = [b["metrics"]["speculative_decoding"] for b in bodies]

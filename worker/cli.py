@@ -49,9 +49,17 @@ def _load_pair(name: str, target: str | None, draft: str | None):
     import engine  # MLX: only the machines that generate import it
 
     try:
-        return engine.load_pair(target, draft)
+        budget = config.prefix_cache_bytes()
+    except ValueError as exc:
+        fail(name, str(exc))
+    try:
+        pair = engine.load_pair(target, draft, prefix_cache_bytes=budget)
     except engine.EngineError as exc:
         fail(name, f"cannot load the model pair: {exc}")
+    # Said once, at start-up; a warning where some state is prefilled in full every time.
+    not_kept = pair.prefix is not None and pair.prefix.not_kept
+    log.log(logging.WARNING if not_kept else logging.INFO, "%s", engine.prefix_line(pair))
+    return pair
 
 
 @click.command()
@@ -303,5 +311,6 @@ def run(
         f"spec-run: batch {batch_id}: {summary.completed} completed, {summary.failed} failed "
         f"in {summary.seconds:.1f} s; {summary.completion_tokens} tokens, {rate:.1f} tok/s; "
         f"acceptance {sd['draft_acceptance_rate']:.2f}, mean acceptance length "
-        f"{sd['mean_acceptance_length']:.2f}"
+        f"{sd['mean_acceptance_length']:.2f}; prompt tokens {summary.prompt_tokens}, "
+        f"{summary.cached_tokens} reused from the prefix cache"
     )

@@ -288,9 +288,14 @@ def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
     """Load the pair as a worker does; a Check, and the pair (None when it failed)."""
     import engine
     from engine.families import UnsupportedModelError
+    from jobstore import config
 
     try:
-        pair = engine.load_pair(target, draft, calibrate=True)
+        pair = engine.load_pair(
+            target, draft, calibrate=True, prefix_cache_bytes=config.prefix_cache_bytes()
+        )
+    except ValueError as exc:  # a bad SPEC_PREFIX_CACHE_MB
+        return Check("FAIL", "pair", str(exc)), None
     except engine.TokenizerMismatchError as exc:
         return Check("FAIL", "tokenizers", str(exc)), None
     except UnsupportedModelError as exc:
@@ -348,6 +353,15 @@ def check_features(pair) -> Check:
         layers += f"; draft: {pair.dflash.config.name}, block size {pair.dflash.block_size}"
     batching = "batching exact" if f.batching else "no batching"
     return Check("OK", "features", f"drafters {', '.join(f.drafters)}; {batching}; {layers}")
+
+
+def check_prefix(pair) -> Check:
+    """The prefix cache's budget, and any state it does not keep."""
+    import engine
+
+    caches = pair.prefix
+    status = "WARN" if caches is not None and caches.not_kept else "OK"
+    return Check(status, "prefix cache", engine.prefix_line(pair).split(": ", 1)[1])
 
 
 def _timed(pair, drafter: str) -> tuple[float, int, dict]:
@@ -415,6 +429,7 @@ def run_checks(redis_url, target, draft, context, memory_gb, bench, echo) -> lis
     if pair is None:
         return checks
     add(check_features(pair))
+    add(check_prefix(pair))
     if bench:
         add(check_speculation(pair))
     return checks

@@ -35,6 +35,8 @@ class RunSummary:
     failed: int = 0
     invalid: int = 0
     completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the prefix cache gave
     seconds: float = 0.0
     stats: engine.SpecStats = field(default_factory=engine.SpecStats)
 
@@ -114,6 +116,9 @@ def run_file(
             if outcome.ok:
                 summary.completed += 1
                 summary.completion_tokens += outcome.completion_tokens
+                usage = outcome.line["response"]["body"]["usage"]
+                summary.prompt_tokens += usage["prompt_tokens"]
+                summary.cached_tokens += usage["prompt_tokens_details"]["cached_tokens"]
                 summary.stats.merge(outcome.stats)
             else:
                 summary.failed += 1
