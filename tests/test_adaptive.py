@@ -120,7 +120,7 @@ def test_a_probe_drafts_for_one_row_and_wakes_no_other(monkeypatch):
     pair = engine.load_pair(calibrate=False)
     ctl = pair.controller
 
-    def probe_always(auto, fixed, drafted_rows, warm=(0, 1.0)):
+    def probe_always(auto, fixed, drafted_rows, warm=(0, 1.0), key=None):
         ctl.probing, ctl.probe_rows = True, len(auto) + len(fixed)
         return 1
 
