@@ -12,8 +12,9 @@ shared machine lands on all of them within milliseconds. Each contender has its 
 of the pair's controller (calibrated once), so one's measurements never steer another.
 A run is every contender through all its requests; the figure is the median over runs
 of tokens/s against the first "none", with the range, and the control's ratio beside it.
-Also prints the mean seconds of a step that drafted nothing, auto's against plain's:
-the fixed cost "auto" adds to a step it does not speculate on.
+Also prints the median seconds of a step that drafted nothing, auto's against plain's
+(the fixed cost "auto" adds to a step it does not speculate on), and whether every
+contender's greedy output equals plain decoding's (lossless), per run.
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ class Lane:
         self.tokens = self.steps = self.row_steps = self.drafted = 0
         self.seconds = 0.0
         self.plain_steps: list[float] = []  # seconds of steps where no row drafted
+        self.outputs: dict[int, list[int]] = {}  # request index -> its tokens
         self.done = False
 
     def step(self) -> None:
@@ -87,7 +89,8 @@ class Lane:
             proposed += step.proposed
             if run.finished:
                 self.decoder.remove(i)
-                self.tokens += len(self.runs.pop(i).out)
+                self.outputs[i] = self.runs.pop(i).out
+                self.tokens += len(self.outputs[i])
         self.seconds += time.perf_counter() - t0
         self.steps += 1
         self.row_steps += len(steps)
@@ -126,12 +129,16 @@ def cell(pair, ids_list, batch: int, runs: int, max_tokens: int) -> dict:
     """Ratios against "none" per run, drafts per row-step, plain-step seconds."""
     pairs_by = {name: own_pair(pair) for name, _, _ in CONTENDERS}
     out = {name: {"ratio": [], "tps": [], "drafts": [], "plain_s": []} for name, _, _ in CONTENDERS}
+    out["lossless"] = [0, 0]  # contender runs whose outputs all equal plain's, of all
     for r in range(runs + 1):  # run 0 warms every contender up, untimed
         lanes = {
             name: Lane(pairs_by[name], requests_for(ids_list, d, k, max_tokens), batch)
             for name, d, k in CONTENDERS
         }
         lockstep(lanes)
+        for lane in lanes.values():  # greedy: every contender gives plain's tokens
+            out["lossless"][0] += lane.outputs == lanes["none"].outputs
+            out["lossless"][1] += 1
         if r == 0:
             continue
         base = lanes["none"].tokens / lanes["none"].seconds
@@ -166,9 +173,10 @@ def main(argv=None) -> int:
     )
     print(
         "| pair | batch | none tok/s | control / none | auto / none | K=1 / none "
-        "| K=2 / none | auto drafts per row-step | auto / plain step, nothing drafted |"
+        "| K=2 / none | auto drafts per row-step | auto / plain step, nothing drafted "
+        "| outputs equal to plain |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name in args.pairs.split(","):
         if name == "demo":
             pair = demo
@@ -200,7 +208,8 @@ def main(argv=None) -> int:
             print(
                 f"| {name} | {b} | {statistics.median(got['none']['tps']):.0f} | "
                 f"{show('control')} | {show('auto')} | {show('K=1')} | {show('K=2')} | "
-                f"{statistics.median(got['auto']['drafts']):.2f} | {step} |",
+                f"{statistics.median(got['auto']['drafts']):.2f} | {step} | "
+                f"{got['lossless'][0]}/{got['lossless'][1]} |",
                 flush=True,
             )
     return 0
