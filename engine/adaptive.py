@@ -23,10 +23,10 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 MAX_AUTO_DRAFT = 8
@@ -48,6 +48,13 @@ MARGIN = 0.03
 # stopped until a probe says otherwise.
 GUARD_MIN_STEPS = 8
 GUARD_EMA = 0.1
+# A K = 0 decision is reused without pricing for this many steps while the caller's
+# summary of the rows (`key` of choose_batch_k) stays the same: pricing costs about a
+# tenth of a small model's decode step, and only the slow live-cost drift is skipped.
+SETTLED_STEPS = 16
+# A probe that does not make drafting pay waits at least long enough that its extra
+# cost (a wider target pass, the draft's passes) stays under this share of the steps.
+PROBE_BUDGET = 0.01
 # Acceptance of lookup drafts taken inside a model-drafted request (key in the controller).
 HYBRID_LOOKUP = "model+lookup"
 PASS_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320)
@@ -344,6 +351,9 @@ class DraftController:
     live_draft: dict = field(default_factory=dict)  # rows -> measured / curve, one pass
     realized: dict = field(default_factory=dict)  # size class -> Realized: the guard's evidence
     probe_rows: int = 0  # batch size of the last probe
+    probe_pending: bool = False  # an accepted probe, judged by the next pricing
+    settled: tuple | None = None  # (key, may probe, free offer priced) of a K = 0
+    settled_left: int = 0  # steps it may still be reused
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
@@ -445,85 +455,141 @@ class DraftController:
 
     def _rates(
         self, auto, fixed, k_max, rows, drafted_rows, warm=(0, 1.0)
-    ) -> tuple[np.ndarray, np.ndarray]:
+    ) -> tuple[list[float], list[float]]:
         """Expected tokens per second of the whole step for K = 0..k_max, at the rows'
-        acceptance and at perfect acceptance: one array pass over the rows, a step-cost
-        lookup per K (this runs every step, over up to hundreds of rows).
+        acceptance and at perfect acceptance: rows are grouped by (acceptance to 0.01,
+        cap, free), so a step prices a handful of groups, not every row (this runs every
+        step it is not settled, over up to hundreds of rows), then a step-cost lookup per K.
 
         `warm` = (positions, horizon): drafting would first have the draft model read
         `positions` tokens of cold rows, which have about `horizon` tokens each left to
         generate; that one-time cost is spread over the steps they take at each K."""
-        ks = np.arange(k_max + 1)
-        a = np.array([r.acceptance for r in auto], dtype=np.float64)
-        kk = np.minimum(ks[:, None], np.array([r.cap for r in auto])[None, :])
-        # E(K) = (1 - a^(K+1)) / (1 - a), and K + 1 where a = 1.
-        sure = a >= 1.0
-        safe = np.where(sure, 0.5, a)
-        expected = np.where(sure, kk + 1.0, (1.0 - safe ** (kk + 1)) / (1.0 - safe))
+        groups = Counter((round(r.acceptance, 2), r.cap, r.free) for r in auto)
         base_tokens = sum(expected_tokens(f.acceptance, f.k) for f in fixed)
-        tokens = base_tokens + expected.sum(axis=1)
-        perfect = base_tokens + (kk + 1.0).sum(axis=1)
-        width = np.maximum(max((f.k for f in fixed), default=0), kk.max(axis=1))
-        paid = np.array([not r.free for r in auto])
-        drafted = np.where(paid[None, :], kk, 0).max(axis=1)
-        depth = np.maximum(max((f.k for f in fixed if f.model), default=0), drafted)
-        seconds = np.array(
-            [
-                self.step_seconds(rows, int(w) + 1, int(d), drafted_rows)
-                for w, d in zip(width, depth, strict=True)
-            ]
-        )
+        fixed_width = max((f.k for f in fixed), default=0)
+        fixed_depth = max((f.k for f in fixed if f.model), default=0)
         positions, horizon = warm
-        if positions:
-            # Steps the cold rows have left at each K's pace: horizon / (tokens per row-step).
-            share = np.where(depth > 0, (tokens / rows) / max(horizon, 1.0), 0.0)
-            seconds = seconds + self.warm_seconds(positions) * np.minimum(share, 1.0)
-        return tokens / seconds, perfect / seconds
+        warm_s = self.warm_seconds(positions) if positions else 0.0
+        rates, ceilings = [], []
+        for k in range(k_max + 1):
+            tokens = perfect = base_tokens
+            width, drafted = fixed_width, 0
+            for (a, cap, free), n in groups.items():
+                kk = min(k, cap)
+                tokens += n * expected_tokens(a, kk)
+                perfect += n * (kk + 1.0)
+                width = max(width, kk)
+                if not free:
+                    drafted = max(drafted, kk)
+            depth = max(fixed_depth, drafted)
+            seconds = self.step_seconds(rows, width + 1, depth, drafted_rows)
+            if warm_s and depth:
+                # Steps the cold rows have left at this K's pace: horizon / tokens per row-step.
+                seconds += warm_s * min((tokens / rows) / max(horizon, 1.0), 1.0)
+            rates.append(tokens / seconds)
+            ceilings.append(perfect / seconds)
+        return rates, ceilings
 
     def choose_batch_k(
-        self, auto: list[AutoRow], fixed: list[FixedRow], drafted_rows: int, warm=(0, 1.0)
+        self,
+        auto: list[AutoRow],
+        fixed: list[FixedRow],
+        drafted_rows: int,
+        warm=(0, 1.0),
+        key=None,
     ) -> int:
         """One draft length for every greedy "auto" row of a step (each capped by its
         own `cap`): the most expected tokens per second for the whole batch, the draft
         model's first read of cold rows (`warm`, see `_rates`) included. A probe
-        (`probing` set) asks for one draft: the decoder gives it to one row only."""
+        (`probing` set) asks for one draft: the decoder gives it to one row only.
+
+        `warm` may be a function giving that pair, called only when the step is priced.
+        `key`, if given, sums up the batch (its rows and their acceptance, not the caps):
+        while it is unchanged, a K = 0 decision holds for SETTLED_STEPS steps unpriced,
+        unless the rows' free drafts offer more than any step priced since (a shrinking
+        budget only removes K's that did not pay)."""
         self.probing = False
         if not auto:
             return 0
         rows = len(auto) + len(fixed)
+        free = self._free_offer(auto)
+        seen = (0, 0)
+        if key is not None and self.settled is not None and self.settled_left > 0:
+            if self.settled[0] == key:
+                seen = self.settled[2]
+                if free[0] <= seen[0] and free[1] <= seen[1]:
+                    self.settled_left -= 1
+                    return self._maybe_probe(rows) if self.settled[1] else 0
+        self.settled = None
+        settle = (key, (max(free[0], seen[0]), max(free[1], seen[1])))
         k_max = max(r.cap for r in auto)
         if k_max == 0:
             return 0
+        if callable(warm):
+            warm = warm()
         rates, ceilings = self._rates(auto, fixed, k_max, rows, drafted_rows, warm)
         bar = rates[0] * (1 + MARGIN)
         # If even perfect acceptance cannot pay at any K (a saturated device: batching
         # and speculation compete for the same compute), plain decoding, and no probe.
-        if ceilings[1:].max() <= bar:
+        if max(ceilings[1:]) <= bar:
+            self._settle(*settle, may_probe=False)
             return 0
         # The best K; the shorter one on a tie.
-        best = int(np.argmax(rates[1:])) + 1
-        if rates[best] > bar and not self.speculation_lost(rows):
+        best = max(range(1, k_max + 1), key=lambda k: (rates[k], -k))
+        pays = rates[best] > bar and not self.speculation_lost(rows)
+        if self.probe_pending:
+            # An accepted probe counts as a success only if drafting now pays.
+            self.probe_pending = False
+            if pays:
+                self.probe_interval = PROBE_FIRST
+            else:
+                self._probe_failed(rows, drafted_rows)
+        if pays:
             self.steps_since_probe = 0
             return best
         # Speculation does not pay at today's acceptance (or the guard stopped it):
         # probe now and then so acceptance stays measured, less often after each
         # failed probe.
+        self._settle(*settle, may_probe=True)
+        return self._maybe_probe(rows)
+
+    @staticmethod
+    def _free_offer(auto: list[AutoRow]) -> tuple[int, int]:
+        """(rows with a free draft, their draft tokens): more of either may pay."""
+        caps = [r.cap for r in auto if r.free]
+        return len(caps), sum(caps)
+
+    def _settle(self, key, free: tuple[int, int], may_probe: bool) -> None:
+        if key is not None:
+            self.settled, self.settled_left = (key, may_probe, free), SETTLED_STEPS
+
+    def _maybe_probe(self, rows: int) -> int:
         self.steps_since_probe += 1
         if self.steps_since_probe >= self.probe_interval:
             self.steps_since_probe = 0
             self.probing = True
             self.probe_rows = rows
+            self.settled = None  # the probe changes what the rows' acceptance says
             return 1
         return 0
 
+    def _probe_failed(self, rows: int, drafted_rows: int) -> None:
+        """Double the interval, and keep it long enough that probes cost at most
+        PROBE_BUDGET of the steps between them."""
+        plain = self.step_seconds(rows, 1, 0, 0)
+        extra = self.step_seconds(rows, 2, 1, max(drafted_rows, 1)) - plain
+        floor = int(extra / (PROBE_BUDGET * plain)) if plain > 0 else 0
+        self.probe_interval = min(max(self.probe_interval * 2, floor), PROBE_MAX)
+
     def probe_result(self, proposed: int, accepted: int) -> None:
-        """After a probe step: all accepted resets the interval, else it doubles. Where
-        the guard has stopped speculation, accepted drafts do not show it pays, so the
-        interval doubles either way."""
+        """After a probe step: a rejected draft doubles the interval; an accepted one
+        is judged by the next pricing (it resets the interval only if drafting then
+        pays). Where the guard has stopped speculation, accepted drafts do not show it
+        pays, so the interval doubles either way."""
         if proposed and accepted == proposed and not self.speculation_lost(self.probe_rows):
-            self.probe_interval = PROBE_FIRST
+            self.probe_pending = True
         else:
-            self.probe_interval = min(self.probe_interval * 2, PROBE_MAX)
+            self._probe_failed(self.probe_rows, 1)
 
     @staticmethod
     def size_class(rows: int) -> int:

@@ -23,6 +23,7 @@ takes free prompt-lookup drafts instead on steps where its text repeats itself.
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
@@ -41,6 +42,9 @@ COMPACT_WASTE = 0.5
 # single-token matches are too often chance (measured on code: 2.1 tokens accepted per
 # 1-gram proposal against 2.9 per 2-gram one).
 HYBRID_MIN_NGRAM = 2
+# Each change of a decoder's rows takes a new number: the controller's reused K = 0
+# decision (choose_batch_k's key) never outlives the rows it was priced for.
+_EPOCHS = itertools.count()
 
 
 @dataclass
@@ -92,6 +96,7 @@ class BatchDecoder:
             )
         self._joining: list[tuple[_Row, list[int]]] = []  # added, not yet prefilled
         self.controller = pair.controller
+        self._epoch = next(_EPOCHS)
 
     def __len__(self) -> int:
         return len(self.rows) + len(self._joining)
@@ -152,6 +157,7 @@ class BatchDecoder:
                 )
         self.t_rows.append(rows)
         self.rows += [row for row, _ in joining]
+        self._epoch = next(_EPOCHS)
 
     def remove(self, key) -> None:
         """Drop a finished (or cancelled) row."""
@@ -161,6 +167,7 @@ class BatchDecoder:
             return
         self.t_rows.select(keep)
         self.rows = [self.rows[i] for i in keep]
+        self._epoch = next(_EPOCHS)
         if self.proposer is not None:
             self.proposer.remove({key})
 
@@ -205,8 +212,12 @@ class BatchDecoder:
             rate = row.plan.acceptance.rate if row.plan is not None else 0.6
             fixed.append(FixedRow(c.k, rate, row.drafter == "model"))
         if auto:
+            # What a reused K = 0 depends on: the rows and their acceptance (constant
+            # while nothing drafts), not the caps of this step's drafts (see choose_batch_k).
+            held = tuple(r.plan.acceptance.rate for r, _ in auto_rows)
+            key = (self._epoch, drafted_rows, held, tuple(fixed))
             k = self.controller.choose_batch_k(
-                auto, fixed, drafted_rows, self._cold_cost(auto_rows)
+                auto, fixed, drafted_rows, lambda: self._cold_cost(auto_rows), key=key
             )
             probe = self._probe_row(auto_rows) if self.controller.probing else None
             for (_, c), a in zip(auto_rows, auto, strict=True):
@@ -309,11 +320,11 @@ class BatchDecoder:
     def _draft(self, choices: list[_Choice]) -> tuple[list[list[int]], dict]:
         drafts = [list(c.tokens or []) if c.source == "lookup" else [] for c in choices]
         q: dict[int, mx.array] = {}
-        if self.proposer is None or not (
-            self.proposer.members or getattr(self.proposer, "cold", None)
-        ):
-            return drafts, q
         want = {r.key: c.k for r, c in zip(self.rows, choices, strict=True) if c.source == "model"}
+        if self.proposer is None or not want:
+            # Nothing drafts by the model this step: the proposer is not asked (its
+            # commit then queues the emitted tokens for its rows, as after depth 0).
+            return drafts, q
         positions = {r.key: r.generated for r in self.rows}
         if self.proposer.block:
             last = {r.key: r.target_pending for r in self.rows}

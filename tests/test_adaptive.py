@@ -120,7 +120,7 @@ def test_a_probe_drafts_for_one_row_and_wakes_no_other(monkeypatch):
     pair = engine.load_pair(calibrate=False)
     ctl = pair.controller
 
-    def probe_always(auto, fixed, drafted_rows, warm=(0, 1.0)):
+    def probe_always(auto, fixed, drafted_rows, warm=(0, 1.0), key=None):
         ctl.probing, ctl.probe_rows = True, len(auto) + len(fixed)
         return 1
 
@@ -145,3 +145,37 @@ def test_a_probe_drafts_for_one_row_and_wakes_no_other(monkeypatch):
     assert sorted(dec.proposer.cold) == [1, 2, 3]  # the others were never read
     steps = dec.step()
     assert [steps[i].proposed for i in range(4)] == [1, 0, 0, 0]  # the warm row again
+
+
+def test_a_settled_plain_decision_is_reused_until_the_batch_or_its_free_drafts_change(
+    monkeypatch,
+):
+    # Verifying 2 tokens costs twice a decode step: even perfect acceptance cannot pay.
+    target = PassCosts({1: 1.0, 2: 2.0, 64: 64.0})
+    ctl = DraftController(target, PassCosts({1: 0.01}), static_costs(100, 10, on_gpu=False))
+    priced = []
+    rates = ctl._rates
+    monkeypatch.setattr(ctl, "_rates", lambda *a: priced.append(1) or rates(*a))
+    got = [ctl.choose_batch_k(_rows(4), [], 4, key="batch 1") for _ in range(40)]
+    assert got == [0] * 40 and len(priced) == 3  # steps 1, 1 + 17, 1 + 2 * 17
+    ctl.choose_batch_k(_rows(4), [], 4, key="batch 2")  # rows joined or left
+    assert len(priced) == 4
+    with_free = [*_rows(3), AutoRow(0.9, 3, free=True)]
+    ctl.choose_batch_k(with_free, [], 4, key="batch 2")  # a free draft: priced again
+    ctl.choose_batch_k(with_free, [], 4, key="batch 2")  # the same offer: settled
+    assert len(priced) == 5
+    ctl.choose_batch_k(_rows(4), [], 4)  # no key: always priced
+    assert len(priced) == 6
+
+
+def test_accepted_probes_where_drafting_still_does_not_pay_come_less_and_less_often():
+    ctl = _controller()
+    probes = 0
+    for _ in range(600):
+        # Acceptance 0: no K pays, though perfect acceptance would (so probes run).
+        k = ctl.choose_batch_k(_rows(4, acceptance=0.0), [], 4, key="batch")
+        if ctl.probing:
+            probes += 1
+            ctl.probe_result(1, 1)  # this probe's draft was right, by chance
+    assert 0 < probes <= 7  # intervals 8, 16, ..., 256 (a reset to 8 would make ~75)
+    assert k == 0

@@ -1,0 +1,219 @@
+"""Batched "auto" against plain decoding and fixed K, interleaved step by step (issue 23,
+issue 19's "benchmark harness noise").
+
+    python benchmarks/lockstep.py                          # demo, random-draft, widened
+    python benchmarks/lockstep.py --pairs demo --sizes 4 --runs 7
+    python benchmarks/lockstep.py --quick                  # a smoke run
+
+Every contender (drafter "none"; drafter "model" with "auto", K = 1, K = 2; and a second
+"none", the control) decodes the same requests in its own batch, and the batches take
+turns one decode step at a time, the order rotated every round: a load burst on this
+shared machine lands on all of them within milliseconds. Each contender has its own copy
+of the pair's controller (calibrated once), so one's measurements never steer another.
+A run is every contender through all its requests; the figure is the median over runs
+of tokens/s against the first "none", with the range, and the control's ratio beside it.
+Also prints the median seconds of a step that drafted nothing, auto's against plain's
+(the fixed cost "auto" adds to a step it does not speculate on), and whether every
+contender's greedy output equals plain decoding's (lossless), per run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import engine  # first: loads OpenBLAS before anything imports mlx
+
+# isort: split
+from engine.batch import new_decoder
+from engine.loading import DEMO_DRAFT, DEMO_TARGET
+from engine.text import RequestRun
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import batched_auto  # noqa: E402
+import pairs  # noqa: E402
+import prompts as prompt_sets  # noqa: E402
+
+CONTENDERS = (("none", "none", 1), ("auto", "model", "auto"), ("K=1", "model", 1))
+CONTENDERS += (("K=2", "model", 2), ("control", "none", 1))
+
+
+class Lane:
+    """One contender's `generate_many` loop, one decoder step per `step()` call."""
+
+    def __init__(self, pair, requests, max_batch: int):
+        self.pair, self.max_batch = pair, max_batch
+        self.decoder = new_decoder(pair)
+        self.waiting = iter(enumerate(requests))
+        self.runs: dict[int, RequestRun] = {}
+        self.tokens = self.steps = self.row_steps = self.drafted = 0
+        self.seconds = 0.0
+        self.plain_steps: list[float] = []  # seconds of steps where no row drafted
+        self.outputs: dict[int, list[int]] = {}  # request index -> its tokens
+        self.done = False
+
+    def step(self) -> None:
+        t0 = time.perf_counter()
+        while len(self.runs) < self.max_batch:
+            item = next(self.waiting, None)
+            if item is None:
+                break
+            i, request = item
+            run = self.runs[i] = RequestRun(self.pair, request)
+            self.decoder.add(
+                i,
+                run.ids,
+                run.params,
+                seed=run.seed,
+                drafter=run.drafter,
+                num_draft_tokens=request.num_draft_tokens,
+                max_tokens=request.max_tokens,
+                plan=run.plan,
+            )
+        if not self.runs:
+            self.done = True
+            return
+        joining = bool(self.decoder._joining)
+        t1 = time.perf_counter()
+        steps = self.decoder.step()
+        t2 = time.perf_counter()
+        proposed = 0
+        for i, step in steps.items():
+            run = self.runs[i]
+            run.feed(step)
+            proposed += step.proposed
+            if run.finished:
+                self.decoder.remove(i)
+                self.outputs[i] = self.runs.pop(i).out
+                self.tokens += len(self.outputs[i])
+        self.seconds += time.perf_counter() - t0
+        self.steps += 1
+        self.row_steps += len(steps)
+        self.drafted += proposed
+        if not proposed and not joining:
+            self.plain_steps.append(t2 - t1)
+
+
+def lockstep(lanes: dict[str, Lane]) -> None:
+    """Step every lane in turn, rotating the order each round, until all are done."""
+    names, shift = list(lanes), 0
+    while not all(lane.done for lane in lanes.values()):
+        for name in names[shift:] + names[:shift]:
+            if not lanes[name].done:
+                lanes[name].step()
+        shift = (shift + 1) % len(names)
+
+
+def own_pair(pair):
+    """The pair with its own copy of the calibrated controller."""
+    mine = copy.copy(pair)
+    mine.controller = copy.deepcopy(pair.controller)
+    return mine
+
+
+def requests_for(ids_list, drafter, k, max_tokens):
+    return [
+        engine.GenerationRequest(
+            prompt_ids=ids, max_tokens=max_tokens, drafter=drafter, num_draft_tokens=k
+        )
+        for ids in ids_list
+    ]
+
+
+def cell(pair, ids_list, batch: int, runs: int, max_tokens: int) -> dict:
+    """Ratios against "none" per run, drafts per row-step, plain-step seconds."""
+    pairs_by = {name: own_pair(pair) for name, _, _ in CONTENDERS}
+    out = {name: {"ratio": [], "tps": [], "drafts": [], "plain_s": []} for name, _, _ in CONTENDERS}
+    out["lossless"] = [0, 0]  # contender runs whose outputs all equal plain's, of all
+    for r in range(runs + 1):  # run 0 warms every contender up, untimed
+        lanes = {
+            name: Lane(pairs_by[name], requests_for(ids_list, d, k, max_tokens), batch)
+            for name, d, k in CONTENDERS
+        }
+        lockstep(lanes)
+        for lane in lanes.values():  # greedy: every contender gives plain's tokens
+            out["lossless"][0] += lane.outputs == lanes["none"].outputs
+            out["lossless"][1] += 1
+        if r == 0:
+            continue
+        base = lanes["none"].tokens / lanes["none"].seconds
+        for name, lane in lanes.items():
+            tps = lane.tokens / lane.seconds
+            out[name]["tps"].append(tps)
+            out[name]["ratio"].append(tps / base)
+            out[name]["drafts"].append(lane.drafted / max(lane.row_steps, 1))
+            out[name]["plain_s"] += lane.plain_steps
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--pairs", default="demo,random,widened")
+    ap.add_argument("--sizes", default="1,4,16,32")
+    ap.add_argument("--runs", type=int, default=7)
+    ap.add_argument("--per-run", type=int, default=2, help="requests per run, times batch")
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--params", type=int, default=100_000_000, help="widened target size")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--cache", type=Path, default=pairs.CACHE)
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.sizes, args.runs, args.max_tokens, args.params = "1,4", 1, 12, 6_000_000
+    sizes = [int(s) for s in args.sizes.split(",")]
+    demo = engine.load_pair(DEMO_TARGET, DEMO_DRAFT)
+    prompts = [ids for _, ids in prompt_sets.code_prompts(demo.tokenizer, 16, 48)]
+    print(
+        f"# lockstep: {args.runs} runs, {args.per_run} x batch requests of {args.max_tokens} "
+        f"new tokens, greedy; {demo.info()['blas']}"
+    )
+    print(
+        "| pair | batch | none tok/s | control / none | auto / none | K=1 / none "
+        "| K=2 / none | auto drafts per row-step | auto / plain step, nothing drafted "
+        "| outputs equal to plain |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.pairs.split(","):
+        if name == "demo":
+            pair = demo
+        elif name == "widened":
+            wide = pairs.widen(DEMO_TARGET, args.params, cache=args.cache)
+            pair = engine.load_pair(wide, DEMO_DRAFT)
+        elif name == "random":
+            useless = pairs.useless_draft(DEMO_DRAFT, cache=args.cache)
+            pair = batched_auto.with_draft(demo, useless, "demo+random-draft")
+        else:
+            raise SystemExit(f"lockstep: unknown pair {name!r} (demo, random, widened)")
+        for b in sizes:
+            n = b * args.per_run
+            ids_list = (prompts * n)[:n]
+            got = cell(pair, ids_list, b, args.runs, args.max_tokens)
+
+            def show(c, got=got):
+                r = got[c]["ratio"]
+                return f"{statistics.median(r):.3f} ({min(r):.2f}-{max(r):.2f})"
+
+            auto_s, plain_s = got["auto"]["plain_s"], got["none"]["plain_s"]
+            step = (
+                f"{statistics.median(auto_s) / statistics.median(plain_s):.3f} "
+                f"({statistics.median(auto_s) * 1e3:.2f} / {statistics.median(plain_s) * 1e3:.2f} ms"
+                f", {len(auto_s)} steps)"
+                if auto_s and plain_s
+                else "-"
+            )
+            print(
+                f"| {name} | {b} | {statistics.median(got['none']['tps']):.0f} | "
+                f"{show('control')} | {show('auto')} | {show('K=1')} | {show('K=2')} | "
+                f"{statistics.median(got['auto']['drafts']):.2f} | {step} | "
+                f"{got['lossless'][0]}/{got['lossless'][1]} |",
+                flush=True,
+            )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
