@@ -101,6 +101,11 @@ JOB_SPREAD = 256
 #: A job-file line longer than this many bytes is an error, never read whole.
 MAX_LINE_BYTES = 8 * 1024 * 1024
 
+#: Largest request record a worker reads from Redis: a job-file line's cap and room for
+#: what submit adds (model, job number, time limit). A larger one, written into Redis
+#: by other means, becomes an `invalid_request` error line without being read.
+MAX_RECORD_BYTES = MAX_LINE_BYTES + 4096
+
 #: How often `spec-submit --wait` polls the batch status, in seconds.
 WAIT_POLL_S = 1.0
 

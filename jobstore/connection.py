@@ -19,6 +19,7 @@ import logging
 import socket
 import threading
 import time
+from urllib.parse import urlsplit
 
 import redis
 from redis import Redis
@@ -123,6 +124,7 @@ def connect(url: str | None = None, check: bool = True, reconnect: bool = True) 
     """
     url = config.redis_url(url)
     try:
+        _check_database(url)
         conn = Redis.from_url(
             url,
             socket_connect_timeout=5,
@@ -139,6 +141,16 @@ def connect(url: str | None = None, check: bool = True, reconnect: bool = True) 
     if reconnect:
         conn.set_retry(ReconnectingRetry(url, config.RECONNECT_BASE_S, config.reconnect_cap_s()))
     return conn
+
+
+def _check_database(url: str) -> None:
+    """Raises ValueError when the URL's database (its path) is not a number: redis-py
+    would quietly use database 0 for `redis://host/abc`."""
+    path = urlsplit(url).path.strip("/")
+    if path and not path.isdigit():
+        raise ValueError(
+            f"the database in the URL must be a number (redis://host:6379/0), got {path!r}"
+        )
 
 
 def warn_if_evicting(conn: Redis) -> str | None:

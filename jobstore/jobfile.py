@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
@@ -281,11 +283,15 @@ def read_lines(path: str) -> Iterator[tuple[int, bytes | None]]:
     """Yield (line number, raw bytes without the line ending) for every physical line.
 
     Bytes are None for a line longer than MAX_LINE_BYTES (skipped without being held in
-    memory). A UTF-8 byte-order mark at the start of the file is dropped.
+    memory). A UTF-8 byte-order mark at the start of the file is dropped. A path of
+    "-" reads standard input, as Unix tools do.
     Raises JobFileError when the file cannot be opened.
     """
     try:
-        f = open(path, "rb")  # noqa: SIM115 - closed below, generator owns it
+        if path == "-":  # a copy of the descriptor: closing it leaves stdin open
+            f = os.fdopen(os.dup(sys.stdin.fileno()), "rb")
+        else:
+            f = open(path, "rb")  # noqa: SIM115 - closed below, generator owns it
     except OSError as exc:
         raise JobFileError(f"{path}: cannot read: {exc.strerror or exc}") from exc
     with f:

@@ -12,6 +12,8 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
                                the number of its job and its timeout); deleted once the
                                line has a result, kept with an error line (spec-retry)
     P:batch:B:order      zset  line key -> line number (every line, valid or not)
+    P:batch:B:hashes     hash  line key -> a short hash of the request it was queued with
+                               (kept after its answer: a re-submit compares it)
     P:batch:B:results    hash  line key -> result line (jobstore.lines.pack), written once
     P:batch:B:errors     hash  line key -> error line (jobstore.lines.pack), written once
     P:batch:B:done       list  line keys in the order their line was written
@@ -146,6 +148,9 @@ class Keys:
     def order(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}:order"
 
+    def hashes(self, batch_id: str) -> str:
+        return f"{self.prefix}:batch:{batch_id}:hashes"
+
     def results(self, batch_id: str) -> str:
         return f"{self.prefix}:batch:{batch_id}:results"
 
@@ -183,6 +188,7 @@ class Keys:
             self.batch_workers(batch_id),
             self.submitting(batch_id),
             self.api_batch(batch_id),
+            self.hashes(batch_id),
         ]
 
     def batch_key_types(self, batch_id: str) -> dict[str, str]:
@@ -197,6 +203,7 @@ class Keys:
             self.batch_workers(batch_id): "hash",
             self.submitting(batch_id): "string",
             self.api_batch(batch_id): "hash",
+            self.hashes(batch_id): "hash",
         }
 
     @property

@@ -46,11 +46,13 @@ class _Lua:
 _STORE = _Lua(
     """
 -- KEYS: 1 meta, 2 results, 3 errors, 4 done, 5 batch workers, 6 worker stats,
---       7 order, 8 requests, 9 submitting flag
+--       7 order, 8 requests, 9 submitting flag, 10 request hashes (for its TTL)
 -- ARGV: 1 now, 2 worker ('' = none), 3 ttl seconds when the batch sets none (0 = none),
 --       then per line: line key, 'result'|'error', stored line, n, n counter name /
 --       increment pairs
--- Returns {1 if the batch is cancelled else 0, then per line 1 if this call stored it}.
+-- Returns {1 if the batch is cancelled else 0, then per line 1 if this call stored it},
+-- or {2} when the batch has no record (created_at): Redis lost it; nothing is stored.
+if redis.call('HEXISTS', KEYS[1], 'created_at') == 0 then return {2} end
 local now, worker = ARGV[1], ARGV[2]
 local names, sums, at = {'completed', 'failed'}, {0, 0}, {completed = 1, failed = 2}
 local function bump(name, n)
@@ -127,7 +129,7 @@ if new[1] + new[2] >= redis.call('ZCARD', KEYS[7]) and redis.call('EXISTS', KEYS
 end
 local ttl = tonumber(meta[1] or ARGV[3])
 if ttl > 0 then
-  for _, k in ipairs({1, 2, 3, 4, 5, 7, 8}) do redis.call('EXPIRE', KEYS[k], ttl) end
+  for _, k in ipairs({1, 2, 3, 4, 5, 7, 8, 10}) do redis.call('EXPIRE', KEYS[k], ttl) end
 end
 out[1] = meta[2] and 1 or 0
 return out
@@ -213,6 +215,59 @@ return removed
 )
 
 
+_UNSTORE = _Lua(
+    _REBUILD_LIST
+    + """
+-- KEYS: 1 meta, 2 results, 3 done, 4 batch workers
+-- ARGV: per line: line key, worker ('' = none), n, n counter name / amount pairs
+-- Drops each line's result and takes its counters off the batch's and its worker's;
+-- returns how many results were dropped.
+local gone, n, i = {}, 0, 1
+while i <= #ARGV do
+  local key, worker, k = ARGV[i], ARGV[i + 1], tonumber(ARGV[i + 2])
+  if redis.call('HDEL', KEYS[2], key) == 1 then
+    gone[key], n = true, n + 1
+    redis.call('HINCRBY', KEYS[1], 'completed', -1)
+    if worker ~= '' then redis.call('HINCRBY', KEYS[4], 'completed:' .. worker, -1) end
+    for j = i + 3, i + 2 + 2 * k, 2 do
+      local name, amount = ARGV[j], -tonumber(ARGV[j + 1])
+      redis.call('HINCRBY', KEYS[1], name, amount)
+      if worker ~= '' and (name == 'prompt_tokens' or name == 'completion_tokens') then
+        redis.call('HINCRBY', KEYS[4], name .. ':' .. worker, amount)
+      end
+    end
+  end
+  i = i + 3 + 2 * k
+end
+if n > 0 then
+  redis.call('HDEL', KEYS[1], 'completed_at')
+  local keep = {}
+  for _, v in ipairs(redis.call('LRANGE', KEYS[3], 0, -1)) do
+    if not gone[v] then keep[#keep + 1] = v end
+  end
+  rebuild(KEYS[3], keep)
+end
+return n
+"""
+)
+
+
+_READ_REQUESTS = _Lua(
+    """#!lua flags=no-writes
+-- KEYS: 1 requests; ARGV: 1 largest record read, 2.. line keys
+-- -> per key: its record, its size when larger than ARGV[1] (not read), or nil
+local out, limit = {}, tonumber(ARGV[1])
+for i = 2, #ARGV do
+  local size = redis.call('HSTRLEN', KEYS[1], ARGV[i])
+  if size > limit then out[i - 1] = size
+  elseif size > 0 then out[i - 1] = redis.call('HGET', KEYS[1], ARGV[i])
+  else out[i - 1] = false end
+end
+return out
+"""
+)
+
+
 _COUNT_UNANSWERED = _Lua(
     """#!lua flags=no-writes
 -- (no-writes: Redis runs it while over its maxmemory too)
@@ -227,6 +282,15 @@ end
 return n
 """
 )
+
+
+class Stored(NamedTuple):
+    """What `put_lines` did: per line whether this call wrote it, whether the batch is
+    cancelled, and whether the batch has no record any more (`gone`: nothing written)."""
+
+    written: list[bool]
+    cancelled: bool
+    gone: bool = False
 
 
 class LineToStore(NamedTuple):
@@ -261,7 +325,7 @@ def store_line(
     """
     line = LineToStore(line_key, line_json, ok, counters)
     done = put_lines(conn, keys, batch_id, [line], worker=worker, ttl_s=ttl_s)
-    return done[0][0] if isinstance(done, tuple) else done
+    return done.written[0] if isinstance(done, Stored) else done
 
 
 def put_lines(
@@ -272,12 +336,13 @@ def put_lines(
     *,
     worker: str | None = None,
     ttl_s: int = 0,
-) -> tuple[list[bool], bool]:
+) -> Stored:
     """`store_line` for several lines of one batch in one call (each still once per line
     key; the counters of the lines this call wrote are summed first, so the batch's,
     the worker's and its per-batch counters are one HMGET and one HSET each, whatever
-    the number of lines). Returns (per line: whether this call wrote it, whether the
-    batch is cancelled); on a pipeline, the pipeline."""
+    the number of lines). A batch without its record (`created_at`: a Redis restarted
+    without persistence lost it) gets nothing. Returns a Stored; on a pipeline, the
+    pipeline."""
     limit = config.max_result_bytes()
     args: list = [f"{time.time():.3f}", worker or "", int(ttl_s)]
     for key, line_json, ok, counters in lines:
@@ -297,10 +362,13 @@ def put_lines(
         keys.order(batch_id),
         keys.requests(batch_id),
         keys.submitting(batch_id),
+        keys.hashes(batch_id),
     ]
     out = _STORE(conn, script_keys, args)
     if isinstance(out, list):
-        return [bool(x) for x in out[1:]], bool(out[0])
+        if int(out[0]) == 2:
+            return Stored([False] * len(lines), False, gone=True)
+        return Stored([bool(x) for x in out[1:]], bool(out[0]))
     return out  # a pipeline: the result comes with its execute()
 
 
@@ -334,10 +402,52 @@ def classify(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> li
     return [s.decode() if isinstance(s, bytes) else s for s in out]
 
 
+def read_requests(conn, keys: Keys, batch_id: str, line_keys: list[str], limit: int):
+    """The request records of these lines: bytes, None where there is none, or the size
+    (an int) of one over `limit` bytes, which is never sent (on a pipeline: with its
+    execute())."""
+    return _READ_REQUESTS(conn, [keys.requests(batch_id)], [limit, *line_keys])
+
+
 def count_unanswered(conn, keys: Keys, batch_id: str, line_keys: list[str]):
     """How many of these lines have neither a result nor an error line (on a pipeline:
     the count comes with its execute())."""
     return _COUNT_UNANSWERED(conn, [keys.requests(batch_id), keys.errors(batch_id)], line_keys)
+
+
+def drop_results(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> int:
+    """Drop these lines' results (to run them again with a changed request) and take
+    their counters off the batch and its per-worker counters, exactly: every counter a
+    result line carries (tokens, speculative-decoding statistics) is read back from the
+    stored line. A worker's busy time and lifetime counters stay (the work was done).
+    Returns how many results were dropped."""
+    if not line_keys:
+        return 0
+    from jobstore.lines import unpack
+    from jobstore.stats import counters_of_line
+
+    args: list = []
+    for key, raw in zip(line_keys, conn.hmget(keys.results(batch_id), line_keys), strict=True):
+        if raw is None:
+            continue
+        line = json.loads(unpack(raw, config.MAX_STORED_LINE_BYTES))
+        body = line["response"]["body"]
+        usage, metrics = body.get("usage") or {}, body.get("metrics") or {}
+        spec = metrics.get("speculative_decoding") or {}
+        stats = counters_of_line(spec, int(usage.get("completion_tokens") or 0))
+        counters = result_counters(usage, stats, busy_ms=0)
+        pairs = [x for name, n in counters.items() if n for x in (name, int(n))]
+        worker = (metrics.get("worker") or {}).get("name") or ""
+        args += [key, worker, len(pairs) // 2, *pairs]
+    if not args:
+        return 0
+    script_keys = [
+        keys.batch(batch_id),
+        keys.results(batch_id),
+        keys.done(batch_id),
+        keys.batch_workers(batch_id),
+    ]
+    return int(_UNSTORE(conn, script_keys, args))
 
 
 def clear_errors(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> int:
@@ -360,6 +470,36 @@ def wrong_key_type(conn: Redis, keys: Keys, batch_id: str) -> str | None:
         if got not in ("none", want):
             return f"key {key}: holds a {got}, expected a {want}"
     return None
+
+
+def record_problem(conn: Redis, keys: Keys, batch_id: str) -> str | None:
+    """Why the batch cannot be read as a batch, naming the fix, or None when its record
+    is there: no batch hash at all, or a hash without `created_at` or lines stored
+    without an `order` (what a worker wrote into a Redis restarted without persistence
+    before workers checked for the record)."""
+    meta, order = keys.batch(batch_id), keys.order(batch_id)
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.exists(meta)
+        pipe.hexists(meta, "created_at")
+        pipe.exists(order)
+        pipe.exists(keys.results(batch_id), keys.errors(batch_id))
+        has_meta, has_created, has_order, has_lines = pipe.execute()
+    fix = f"re-submit its file with --batch-id {batch_id}"
+    if not has_meta and not has_lines:
+        return (
+            f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r}); if it was "
+            f"submitted here, Redis has lost it: {fix}"
+        )
+    if not has_created:
+        why = f"key {meta} has no created_at"
+    elif has_lines and not has_order:
+        why = f"key {order} is missing"
+    else:
+        return None
+    return (
+        f"batch {batch_id} has lost its record in this Redis ({why}; was Redis restarted "
+        f"without persistence?): {fix}"
+    )
 
 
 def remove_queued(conn: Redis, queue_key: str, batch_id: str) -> list[str]:

@@ -144,9 +144,10 @@ def _timestamp(key: str, field: str, value: str) -> float:
 
 def _meta(conn: Redis, keys: Keys, batch_id: str) -> dict[str, str]:
     check_key_types(conn, keys, batch_id)
+    problem = store.record_problem(conn, keys, batch_id)
+    if problem:
+        raise BatchError(problem)
     raw = conn.hgetall(keys.batch(batch_id))
-    if not raw:
-        raise BatchError(f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r})")
     meta = {_text(k): _text(v) for k, v in raw.items()}
     _check_meta(keys.batch(batch_id), meta)
     return meta

@@ -57,6 +57,13 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
     help="Delete the batch from Redis this long after its last write (0: keep until "
     "spec-collect --delete) [default: $SPEC_RESULT_TTL_S, else keep].",
 )
+@click.option(
+    "--changed",
+    type=click.Choice(["rerun", "keep"]),
+    help="Lines already answered under their custom_id with another request: run them "
+    "again, their old answers replaced (rerun), or keep the old answers (keep) "
+    "[default: refuse the submission].",
+)
 @click.option("--wait", is_flag=True, help="Wait until the batch is finished.")
 @click.option("-o", "--output", metavar="FILE", help="With --wait: write the results here.")
 @click.option(
@@ -67,9 +74,18 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
 )
 @friendly_errors("spec-submit", batches.BatchError, SubmitError)
 def submit(
-    jobs_file, redis_url, model, batch_id, skip_invalid, result_ttl, wait, output, errors_path
+    jobs_file,
+    redis_url,
+    model,
+    batch_id,
+    skip_invalid,
+    result_ttl,
+    changed,
+    wait,
+    output,
+    errors_path,
 ):
-    """Validate JOBS.jsonl and enqueue its lines as one batch.
+    """Validate JOBS.jsonl ("-": standard input) and enqueue its lines as one batch.
 
     Every problem is printed as FILE:LINE: field: message. With any invalid line
     nothing is enqueued (exit 1) unless --skip-invalid. Prints the batch id on stdout.
@@ -85,21 +101,29 @@ def submit(
     from producer.tokencount import ContextChecker
 
     checker = ContextChecker(conn, keys, model or config.DEFAULT_MODEL)
+    shown = "stdin" if jobs_file == "-" else jobs_file  # "-" reads standard input
 
     with spool_file(
-        jobs_file, model, config.DEFAULT_MODEL, checker, lambda e: _say(e.format(jobs_file))
+        jobs_file, model, config.DEFAULT_MODEL, checker, lambda e: _say(e.format(shown))
     ) as spool:
         valid, invalid = spool.valid, spool.invalid
         if invalid and not skip_invalid:
             fail(
                 "spec-submit",
-                f"{jobs_file}: {invalid} invalid line(s), {valid} valid: nothing was "
+                f"{shown}: {invalid} invalid line(s), {valid} valid: nothing was "
                 "enqueued (fix them, or pass --skip-invalid to run the valid lines)",
             )
         if valid + invalid == 0:
-            fail("spec-submit", f"{jobs_file}: no requests (the file is empty)")
+            fail("spec-submit", f"{shown}: no requests (the file is empty)")
         report = enqueue_file(
-            conn, keys, spool, jobs_file, batch_id, result_ttl, total_lines=spool.lines
+            conn,
+            keys,
+            spool,
+            shown,
+            batch_id,
+            result_ttl,
+            total_lines=spool.lines,
+            changed=changed or "refuse",
         )
     click.echo(batch_id)
     parts = [f"{report.enqueued} enqueued"]
@@ -109,6 +133,10 @@ def submit(
         parts.append(f"{report.already_done} already done")
     if report.already_pending:
         parts.append(f"{report.already_pending} already queued or running")
+    if report.replaced:
+        parts.append(f"{report.replaced} changed (old answers replaced)")
+    if report.kept_changed:
+        parts.append(f"{report.kept_changed} changed (old answers kept)")
     models = ", ".join(f"{alias} ({n})" for alias, n in sorted(report.models.items()))
     _say(
         f"batch {batch_id}: {report.lines} lines: {', '.join(parts)}"

@@ -11,6 +11,7 @@ the job file), gone once closed: memory stays bounded whatever the file's size.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import tempfile
 from collections.abc import Callable, Iterator
@@ -35,6 +36,7 @@ class Queued:
     model: str
     timeout: int  # seconds the line may run (config.job_timeout_s)
     record: str  # the request record (JobLine.to_record) as JSON
+    digest: str = ""  # request_digest of the record: what a re-submit compares
 
     @classmethod
     def of(cls, job: JobLine, default_model: str) -> Queued:
@@ -42,11 +44,20 @@ class Queued:
         timeout = config.job_timeout_s(job.params["max_tokens"], job.prompt_chars())
         key = line_key(job.custom_id, job.line)
         model = job.model or default_model
-        return cls(key, job.line, job.custom_id, model, timeout, dumps(job.to_record(model)))
+        record = job.to_record(model)
+        digest = request_digest(record)
+        return cls(key, job.line, job.custom_id, model, timeout, dumps(record), digest)
 
     def stored(self, job: int) -> str:
         """The request record as stored in Redis: with its job's number and its timeout."""
         return f'{self.record[:-1]},"job":{job},"timeout":{self.timeout}}}'
+
+
+def request_digest(record: dict) -> str:
+    """A short hash of what a line asks for (its request record without its line number,
+    so a line that only moved is the same line); kept per line in the batch."""
+    asked = {k: v for k, v in record.items() if k != "line"}
+    return hashlib.blake2b(dumps(asked).encode(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -84,13 +95,16 @@ class Spool:
     def close(self) -> None:
         self._file.close()
 
-    # One line per entry. Queued: line number, timeout, model alias, the line key as
-    # JSON and the record, tab-separated (an alias has no tab, JSON text no raw tab or
+    # One line per entry. Queued: line number, timeout, model alias, digest, the line key
+    # as JSON and the record, tab-separated (an alias has no tab, JSON text no raw tab or
     # newline); the custom_id is the key's. Rejected: a JSON list of its fields.
     def add(self, entry: Queued | Rejected) -> None:
         if isinstance(entry, Queued):
             key = dumps(entry.key)
-            line = f"{entry.line}\t{entry.timeout}\t{entry.model}\t{key}\t{entry.record}\n"
+            line = (
+                f"{entry.line}\t{entry.timeout}\t{entry.model}\t{entry.digest}\t{key}\t"
+                f"{entry.record}\n"
+            )
             self.valid += 1
         else:
             line = dumps([entry.key, entry.line, entry.custom_id, entry.message]) + "\n"
@@ -105,9 +119,9 @@ class Spool:
             if text.startswith("["):
                 yield Rejected(*json.loads(text))
                 continue
-            number, timeout, model, key, record = text.rstrip("\n").split("\t", 4)
+            number, timeout, model, digest, key, record = text.rstrip("\n").split("\t", 5)
             key = json.loads(key)
-            yield Queued(key, int(number), key[2:], model, int(timeout), record)
+            yield Queued(key, int(number), key[2:], model, int(timeout), record, digest)
 
     @property
     def lines(self) -> int:

@@ -73,6 +73,16 @@ class BatchBusy(SubmitError):
         )
 
 
+class ChangedLines(SubmitError):
+    """Lines already known under their custom_ids ask for something else now; nothing
+    was enqueued."""
+
+
+#: What a re-submit does with a line whose custom_id is known with another request:
+#: refuse the submission (default), run it again (its old answer dropped), keep the old.
+CHANGED_CHOICES = ("refuse", "rerun", "keep")
+
+
 class LostSubmitLock(SubmitError):
     """Our submit lock expired or was taken while enqueueing (Redis too slow to renew it)."""
 
@@ -86,6 +96,9 @@ class SubmitReport:
     already_done: int = 0
     already_pending: int = 0
     rerun: int = 0
+    #: Known lines whose request changed: answers dropped and run again / answers kept.
+    replaced: int = 0
+    kept_changed: int = 0
     models: dict[str, int] = field(default_factory=dict)
 
 
@@ -97,6 +110,7 @@ def enqueue_file(
     batch_id: str,
     result_ttl: int | None = None,
     total_lines: int | None = None,
+    changed: str = "refuse",
 ) -> SubmitReport:
     """Second pass: enqueue the valid lines of a validated file (a producer.spool.Spool,
     or any iterable of its entries) and store the rejected ones as `invalid_request`
@@ -105,14 +119,17 @@ def enqueue_file(
     result_ttl: seconds every key of the batch lives after its last write (0: until
     `spec-collect --delete`; None: as SPEC_RESULT_TTL_S says, else as before).
     total_lines: the file's line count from the first pass (it sets the lines per job).
-    Raises RedisFull when Redis refuses a write for lack of memory (the chunks before
+    changed: what to do with lines already answered, queued or running under their
+    custom_id whose request is different now (CHANGED_CHOICES); "refuse" raises
+    ChangedLines before anything is written, and so does "rerun" for such lines still
+    queued or running. Raises RedisFull when Redis refuses a write for lack of memory (the chunks before
     are in, whole; the batch keeps its `submitting` flag until a re-submit completes).
     """
     report = SubmitReport(batch_id)
     try:
         with SubmitLock(conn, keys.submit_lock(batch_id), batch_id) as lock:
             _enqueue_file(
-                conn, keys, lines, source, batch_id, result_ttl, report, lock, total_lines
+                conn, keys, lines, source, batch_id, result_ttl, report, lock, total_lines, changed
             )
     except OutOfMemoryError as exc:
         raise RedisFull(batch_id, report.lines, total_lines) from exc
@@ -182,26 +199,28 @@ class SubmitLock:
 
 
 def _enqueue_file(
-    conn, keys, lines, source, batch_id, result_ttl, report, lock, total_lines
+    conn, keys, lines, source, batch_id, result_ttl, report, lock, total_lines, changed
 ) -> None:
     meta = keys.batch(batch_id)
     created = time.time()
     flag = keys.submitting(batch_id)  # the batch cannot look finished while this is set
     if result_ttl is None and config.result_ttl_s() > 0:
         result_ttl = config.result_ttl_s()
+    earlier = conn.exists(keys.requests(batch_id), keys.results(batch_id), keys.errors(batch_id))
+    if earlier and changed != "keep":  # checked before anything is written
+        _check_changed(conn, keys, batch_id, lines, changed)
     with conn.pipeline() as pipe:
-        pipe.exists(keys.requests(batch_id), keys.results(batch_id), keys.errors(batch_id))
         pipe.set(flag, 1, ex=SUBMITTING_TTL_S)
         pipe.hsetnx(meta, "created_at", f"{created:.3f}")
         pipe.hset(meta, "source", source.rsplit("/", 1)[-1])
         if result_ttl is not None:
             pipe.hset(meta, "result_ttl", int(result_ttl))
         pipe.zadd(keys.batches, {batch_id: created}, nx=True)
-        earlier = pipe.execute()[0]
+        pipe.execute()
     ttl = int(conn.hget(meta, "result_ttl") or 0)  # this submission's, or an earlier one's
     per_job = config.job_lines(total_lines or 0)
     per_transaction = per_job * max(1, config.CHUNK_LINES // per_job)  # whole jobs
-    plan = QueuePlan(conn, keys, batch_id, {}, ttl, per_job, fresh=not earlier)
+    plan = QueuePlan(conn, keys, batch_id, {}, ttl, per_job, fresh=not earlier, changed=changed)
     try:
         for chunk in _chunks(lines, per_transaction):
             lock.check()
@@ -216,6 +235,48 @@ def _enqueue_file(
     _mark_if_finished(conn, keys, batch_id)
     if result_ttl is not None:
         apply_ttl(conn, keys, batch_id, ttl)
+
+
+def _changed_in(conn, keys, batch_id, chunk, states) -> list[tuple[int, str]]:
+    """(index in chunk, state) of the chunk's lines that are answered ('done') or queued
+    or running ('pending') with a request other than the one they have now."""
+    known = conn.hmget(keys.hashes(batch_id), [e.key for e in chunk])
+    return [
+        (i, state)
+        for i, (entry, old, state) in enumerate(zip(chunk, known, states, strict=True))
+        if state in ("done", "pending")
+        and isinstance(entry, Queued)
+        and old is not None
+        and old.decode() != entry.digest
+    ]
+
+
+def _check_changed(conn, keys, batch_id: str, lines, changed: str) -> None:
+    """Raise ChangedLines when known lines changed and `changed` is "refuse", or when
+    changed lines are still queued or running and `changed` is "rerun"."""
+    found: dict[str, list[str]] = {"done": [], "pending": []}
+    counts = {"done": 0, "pending": 0}
+    for chunk in _chunks(lines, config.CHUNK_LINES):
+        states = store.classify(conn, keys, batch_id, [e.key for e in chunk])
+        for i, state in _changed_in(conn, keys, batch_id, chunk, states):
+            counts[state] += 1
+            if len(found[state]) < 3:
+                found[state].append(chunk[i].custom_id)
+    total = counts["done"] + counts["pending"]
+    if changed == "refuse" and total:
+        first = ", ".join(found["done"] + found["pending"])
+        raise ChangedLines(
+            f"batch {batch_id}: {total} line(s) ask for something other than the request "
+            f"already submitted under their custom_id (first: {first}): pass --changed rerun "
+            "to run them again (their old answers are replaced), or --changed keep to keep "
+            "the old answers; nothing was enqueued"
+        )
+    if changed == "rerun" and counts["pending"]:
+        raise ChangedLines(
+            f"batch {batch_id}: {counts['pending']} changed line(s) are still queued or "
+            f"running with their old request (first: {', '.join(found['pending'])}): wait "
+            "until they are answered, then run this again; nothing was enqueued"
+        )
 
 
 def _keep_flag(conn: Redis, flag: str) -> None:
@@ -271,6 +332,8 @@ class QueuePlan:
     per_job: int  # lines per RQ job
     #: The batch had no line in Redis before: every line is new (no look needed).
     fresh: bool = False
+    #: What to do with known lines whose request changed (CHANGED_CHOICES).
+    changed: str = "refuse"
 
     def queue(self, alias: str) -> Queue:
         if alias not in self.queues:
@@ -289,6 +352,18 @@ def _enqueue_chunk(plan: QueuePlan, chunk: list[Queued | Rejected], total: Submi
     else:
         states = store.classify(conn, keys, batch_id, line_keys)
     report = SubmitReport(batch_id)  # this chunk's counts, added to `total` once written
+    if not plan.fresh:
+        changed = _changed_in(conn, keys, batch_id, chunk, states)
+        if plan.changed == "rerun":
+            # Answers of changed lines go (counters taken off); the lines are then new.
+            # (Changed lines still queued or running were refused before any write.)
+            done = [i for i, state in changed if state == "done"]
+            store.drop_results(conn, keys, batch_id, [chunk[i].key for i in done])
+            for i in done:
+                states[i] = "new"
+            report.replaced += len(done)
+        else:
+            report.kept_changed += len(changed)
     runs: dict[str, list[Queued]] = {}  # alias -> lines to enqueue
     for entry, state in zip(chunk, states, strict=True):
         report.lines += 1
@@ -327,6 +402,8 @@ def _enqueue_chunk(plan: QueuePlan, chunk: list[Queued | Rejected], total: Submi
     total.already_done += report.already_done
     total.already_pending += report.already_pending
     total.rerun += report.rerun
+    total.replaced += report.replaced
+    total.kept_changed += report.kept_changed
     for alias, n in report.models.items():
         total.models[alias] = total.models.get(alias, 0) + n
 
@@ -350,12 +427,17 @@ def queue_lines(plan: QueuePlan, runs: dict[str, list[Queued]], pipe) -> None:
         pipe.delete(keys.rq_job(stale_job))
         pipe.zrem(keys.rq_failed(alias), stale_job)
     records: dict[str, str] = {}
+    digests: dict[str, str] = {}
     datas: dict[str, list] = {}
     for number, (alias, lines) in enumerate(groups, last - len(groups) + 1):
         for entry in lines:
             records[entry.key] = entry.stored(number)
+            if entry.digest:
+                digests[entry.key] = entry.digest
         datas.setdefault(alias, []).append(_job_data(batch_id, number, lines, plan.ttl))
     pipe.hset(keys.requests(batch_id), mapping=records)
+    if digests:
+        pipe.hset(keys.hashes(batch_id), mapping=digests)
     pipe.hset(keys.batch(batch_id), mapping={f"model:{a}": 1 for a in runs})
     pipe.hdel(keys.batch(batch_id), "completed_at", "cancelled")
     for alias, alias_datas in datas.items():

@@ -16,13 +16,15 @@ text is tokenized WINDOW_CHARS characters at a time: the tokenizers library hold
 from __future__ import annotations
 
 import json
-import re
 
 from redis import Redis
 
 from jobstore import config
 from jobstore.jobfile import JobLine, LineError
 from jobstore.keys import Keys
+from jobstore.tokens import WINDOW_CHARS, count_tokens, prompt_texts, tokens_over
+
+__all__ = ["WINDOW_CHARS", "ContextChecker", "count_tokens"]
 
 DEMO_TARGET_DIR = config.DEMO_PAIR_DIR / "target"
 
@@ -60,15 +62,8 @@ class ContextChecker:
             )
         if model.tokenizer is None:
             return None
-        if job.endpoint == "completion":
-            texts = [job.params["prompt"]]
-        else:
-            texts = [m["content"] for m in job.params["messages"]]
-        # Cheap bound first: a (byte-level) token covers at least one UTF-8 byte.
-        if sum(len(t.encode()) for t in texts) <= model.context_length - max_tokens:
-            return None
-        n = count_tokens(model.tokenizer, texts, model.context_length - max_tokens)
-        if n + max_tokens > model.context_length:
+        n = tokens_over(model.tokenizer, prompt_texts(job), max_tokens, model.context_length)
+        if n is not None:
             return LineError(
                 job.line,
                 field,
@@ -101,39 +96,6 @@ class ContextChecker:
         if context is None:
             return None
         return _Model(_tokenizer(tokenizer_json), context)
-
-
-#: Characters tokenized per call while counting a long prompt (bounds memory).
-WINDOW_CHARS = 1 << 16
-
-_WORD_START = re.compile(r"\s(?=\S)")
-
-
-def count_tokens(tokenizer, texts: list[str], limit: int) -> int:
-    """Tokens of `texts` (no special tokens), counted until the count passes `limit`:
-    exact when it is at most `limit`, else a lower bound above `limit`.
-
-    A text longer than WINDOW_CHARS is tokenized a window at a time, each cut made
-    before the last space that starts a word (where a byte-level or metaspace
-    tokenizer starts a new pre-token anyway), and one token per cut is taken off, so
-    the sum stays a lower bound of the whole text's count.
-    """
-    n = 0
-    for text in texts:
-        start = 0
-        while start < len(text) and n <= limit:
-            end = start + WINDOW_CHARS
-            if end < len(text):
-                last = None
-                for last in _WORD_START.finditer(text, start + 1, end + 1):  # noqa: B007
-                    pass
-                end = last.start() if last is not None else end
-            piece = text[start:end]
-            n += len(tokenizer.encode(piece, add_special_tokens=False).ids)
-            if end < len(text):
-                n -= 1
-            start = end
-    return n
 
 
 def _context_length(cfg: dict) -> int:

@@ -133,14 +133,15 @@ def read_batch(
     key of the wrong type)."""
     import redis
 
-    from jobstore.store import wrong_key_type
+    from jobstore.store import record_problem, wrong_key_type
 
     try:
         problem = wrong_key_type(conn, keys, batch_id)
         if problem:
             raise ReportError(f"batch {batch_id}: {problem}")
-        if not conn.exists(keys.batch(batch_id)):
-            raise ReportError(f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r})")
+        problem = record_problem(conn, keys, batch_id)
+        if problem:
+            raise ReportError(problem)
         start = 0
         while True:
             line_keys = conn.lrange(keys.done(batch_id), start, start + chunk - 1)

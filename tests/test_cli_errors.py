@@ -24,6 +24,9 @@ COMMANDS = {
     "spec-run": worker_cli.run,
 }
 
+#: What an unknown batch's message ends with: Redis may have lost it, and the fix.
+LOST = "; if it was submitted here, Redis has lost it: re-submit its file with --batch-id nope"
+
 
 def _invoke(command: str, *args: str):
     return CliRunner().invoke(COMMANDS[command], list(args), catch_exceptions=False)
@@ -60,7 +63,7 @@ def test_input_errors_exit_1_with_one_line(redis_env, tmp_path, jobs):
             (
                 name,
                 ["nope", *extra],
-                f"{name}: error: no batch 'nope' in this Redis (prefix '{prefix}')",
+                f"{name}: error: no batch 'nope' in this Redis (prefix '{prefix}'){LOST}",
             )
             for name, extra in [
                 ("spec-status", []),
@@ -72,7 +75,7 @@ def test_input_errors_exit_1_with_one_line(redis_env, tmp_path, jobs):
         (
             "spec-report",
             ["nope", "-o", str(tmp_path / "r.html")],
-            f"spec-report: error: no batch 'nope' in this Redis (prefix '{prefix}')",
+            f"spec-report: error: no batch 'nope' in this Redis (prefix '{prefix}'){LOST}",
         ),
         (
             "spec-report",

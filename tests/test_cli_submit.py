@@ -276,7 +276,8 @@ def test_unknown_batch_is_one_clear_line(redis_env, tmp_path):
         result = CliRunner().invoke(command, ["nope", *extra])
         assert result.exit_code == 1
         assert result.stderr.endswith(
-            f"error: no batch 'nope' in this Redis (prefix '{redis_env.prefix}')\n"
+            f"error: no batch 'nope' in this Redis (prefix '{redis_env.prefix}')"
+            "; if it was submitted here, Redis has lost it: re-submit its file with --batch-id nope\n"
         )
 
 

@@ -422,7 +422,8 @@ def test_a_redis_restart_without_persistence_is_an_unknown_batch_not_a_traceback
         assert res.returncode == 1
         assert res.stdout == ""
         assert res.stderr == (
-            f"{command}: error: no batch '{batch}' in this Redis (prefix '{env.prefix}')\n"
+            f"{command}: error: no batch '{batch}' in this Redis (prefix '{env.prefix}'); "
+            f"if it was submitted here, Redis has lost it: re-submit its file with --batch-id {batch}\n"
         )
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import socket
 import sys
 import time
@@ -129,7 +130,7 @@ def worker(
     alias = alias or pair.name
     keys = Keys.default()
     name = name or f"{socket.gethostname()}.{os.getpid()}"
-    _register(conn, keys, pair, alias, name)
+    announce = _register(conn, keys, pair, alias, name)
     context = WorkerContext(pair, alias, name, conn, keys, config.result_ttl_s())
     set_context(context)
     set_auditor(Auditor(audit_rate) if audit_rate else None)
@@ -150,6 +151,7 @@ def worker(
         refused_key=keys.refused,
         stats_key=keys.worker(name),
         max_batch=max_batch,
+        announce=announce,
         worker_ttl=60,
         maintenance_interval=30,
     )
@@ -167,10 +169,33 @@ def worker(
         log.warning("stopped while Redis at %s was unreachable: %s", config.redact(url), exc)
     finally:
         set_context(None)
+    late = _note_stop_signals()
     if spec_worker.cold_signum is not None:
         sys.exit(128 + spec_worker.cold_signum)
     if crash.message:
         fail("spec-worker", crash.message)
+    if late and spec_worker.stopping:
+        log.warning("second %s: stopping now", signal.Signals(late[0]).name)
+        _exit_now(128 + late[0])
+    _exit_now(0)
+
+
+def _note_stop_signals() -> list[int]:
+    """From now on a stop signal is only noted (in the list returned): the work is over."""
+    late: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda n, _frame: late.append(n))
+    return late
+
+
+def _exit_now(code: int) -> None:
+    """Exit with `code` once logs are written, without Python's shutdown: while it runs
+    (freeing the model takes a while) the default signal handlers are back, and a second
+    stop signal would kill the process without a word or its exit code."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 class _CrashWatch(logging.Filter):
@@ -185,9 +210,10 @@ class _CrashWatch(logging.Filter):
         return True
 
 
-def _register(conn, keys: Keys, pair, alias: str, name: str) -> None:
+def _register(conn, keys: Keys, pair, alias: str, name: str) -> tuple[dict, str, dict]:
     """Tell producers what this alias is: context length and tokenizer (for the
-    submit-time length check), and who serves it."""
+    submit-time length check), and who serves it. Returns what the heartbeat writes
+    again (SpecWorker's `announce`): the worker's fields, the alias's key and fields."""
     mapping = {
         "context_length": pair.context_length,
         "target": pair.target_path,
@@ -199,20 +225,14 @@ def _register(conn, keys: Keys, pair, alias: str, name: str) -> None:
         mapping["tokenizer_json"] = tokenizer_json
     conn.hset(keys.model(alias), mapping=mapping)
     now = f"{time.time():.3f}"
+    identity = {"model": alias, "host": socket.gethostname(), "pid": os.getpid()}
     with conn.pipeline() as pipe:
         pipe.hdel(keys.worker(name), "stopped_at")
-        pipe.hset(
-            keys.worker(name),
-            mapping={
-                "model": alias,
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "started_at": now,
-                "last_seen": now,
-            },
-        )
+        pipe.hset(keys.worker(name), mapping={**identity, "started_at": now, "last_seen": now})
         pipe.expire(keys.worker(name), config.WORKER_STATS_TTL_S)  # renewed by heartbeats
         pipe.execute()
+    mapping.pop("updated_at")
+    return identity, keys.model(alias), mapping
 
 
 def _tokenizer_json(pair) -> str | None:

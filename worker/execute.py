@@ -17,6 +17,7 @@ import engine
 from jobstore.jobfile import JobLine
 from jobstore.lines import effective_seed, error_line, result_line
 from jobstore.store import result_counters
+from jobstore.tokens import prompt_texts, tokens_over
 from worker.audit import audit_counters, get_auditor
 
 
@@ -94,6 +95,25 @@ def outcome_of(
         if audited is not None:
             counters.update(audit_counters(audited))
     return Outcome(True, line, counters, int(res.usage["completion_tokens"]), res.stats, audited)
+
+
+def context_overflow(pair, batch_id: str, job: JobLine) -> Outcome | None:
+    """The `context_length_exceeded` line of a prompt that cannot fit the pair's context
+    with its max_tokens, found in bounded memory and time (jobstore.tokens: the same
+    check as at submit, for a request written straight into Redis), else None. The
+    engine still checks every prompt exactly (chat template included)."""
+    tokenizer = getattr(getattr(pair.tokenizer, "_tokenizer", None), "backend_tokenizer", None)
+    if tokenizer is None:
+        return None
+    max_tokens, context = job.params["max_tokens"], pair.context_length
+    n = tokens_over(tokenizer, prompt_texts(job), max_tokens, context)
+    if n is None:
+        return None
+    message = (
+        f"{job.prompt_field}: at least {n} prompt tokens + max_tokens {max_tokens} exceed "
+        f"the context of {pair.name} ({context} tokens); shorten the prompt or lower max_tokens"
+    )
+    return failure(batch_id, job, "context_length_exceeded", message)
 
 
 def failure(batch_id: str, job: JobLine, code: str, message: str) -> Outcome:

@@ -30,13 +30,17 @@ from worker import rqcompat
 log = logging.getLogger("specfleet.worker")
 
 
-class ColdShutdown(BaseException):
-    """Raised in the main thread by a second stop signal (BaseException: jobs must not
-    catch it)."""
+class ColdShutdown(SystemExit):
+    """Raised in the main thread by a second stop signal (not an Exception: jobs must not
+    catch it). A SystemExit with code 128 + signal number: wherever it lands (a job, RQ's
+    loop, RQ's teardown), RQ lets it through and the process exits with that code, quietly."""
 
     def __init__(self, signum: int):
-        super().__init__(f"stopped by a second {signal.Signals(signum).name}")
+        super().__init__(128 + signum)
         self.signum = signum
+
+    def __str__(self) -> str:
+        return f"stopped by a second {signal.Signals(self.signum).name}"
 
 
 class SafeJob(Job):

@@ -36,7 +36,7 @@ from jobstore import config, store
 from jobstore.jobfile import JobLine
 from jobstore.keys import Keys
 from jobstore.lines import dumps, error_line
-from worker.execute import Outcome, execute, failure
+from worker.execute import Outcome, context_overflow, execute, failure
 from worker.storing import LineStore
 
 log = logging.getLogger("specfleet.worker")
@@ -86,6 +86,7 @@ class Line:
     line: JobLine | None  # None when its stored request cannot be read
     timeout: int  # seconds it may run
     unreadable: str | None = None  # why the stored request cannot be parsed
+    code: str = "internal_error"  # the error code of an unreadable one
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,8 @@ class JobLines:
 
     todo: list[Line]
     cancelled: bool
+    #: The batch has no record (created_at) any more: Redis lost it; nothing is run.
+    gone: bool = False
 
 
 class LinesFailed(Exception):
@@ -116,15 +119,28 @@ def read_lines(ctx: WorkerContext, batch_id: str, line_keys: list[str]) -> JobLi
     """One round trip: the job's lines that have neither a result (their request record
     is gone then) nor an error line, their requests parsed, and the cancel flag."""
     conn, keys = ctx.conn, ctx.keys
+    limit = config.MAX_RECORD_BYTES
     with conn.pipeline(transaction=False) as pipe:
-        pipe.hmget(keys.requests(batch_id), line_keys)
+        store.read_requests(pipe, keys, batch_id, line_keys, limit)  # none over the cap
         pipe.hmget(keys.errors(batch_id), line_keys)
         pipe.hexists(keys.batch(batch_id), "cancelled")
-        records, errors, cancelled = pipe.execute()
+        pipe.hexists(keys.batch(batch_id), "created_at")
+        records, errors, cancelled, known = pipe.execute()
+    if not known:
+        return JobLines([], bool(cancelled), gone=True)
+    ctx.lines().known(batch_id)  # submitted again since a store found it gone
     todo = []
     for key, record, error in zip(line_keys, records, errors, strict=True):
         if record is None or error is not None:
             continue  # answered (or the batch was deleted): nothing to do
+        if isinstance(record, int):  # its size: never read, parsed or tokenized
+            why = (
+                f"the request record is {record} bytes, over the limit of {limit} bytes "
+                "(a job-file line may have at most "
+                f"{config.MAX_LINE_BYTES} bytes)"
+            )
+            todo.append(Line(key, None, 0, why, code="invalid_request"))
+            continue
         todo.append(_parse(key, record))
     return JobLines(todo, bool(cancelled))
 
@@ -139,11 +155,24 @@ def _parse(key: str, record: bytes) -> Line:
     return Line(key, line, max(1, timeout))
 
 
+def drop_gone(batch_id: str, job_id: str | None, lines_left: int) -> None:
+    """The one log line of a job whose batch lost its record (a Redis restarted without
+    persistence): nothing more of it is run or stored."""
+    log.warning(
+        "%s: the batch has no record in Redis any more (restarted without persistence?): "
+        "dropped job %s, %d line(s) not run; re-submit its file with --batch-id %s",
+        batch_id,
+        job_id,
+        lines_left,
+        batch_id,
+    )
+
+
 def settle(ctx: WorkerContext, batch_id: str, line: Line, cancelled: bool) -> Outcome | None:
     """The outcome of a line that needs no engine (an unreadable request, a cancelled
     batch, another model), else None."""
     if line.unreadable is not None:
-        outcome = _unreadable(ctx, batch_id, line.key, line.unreadable)
+        outcome = _unreadable(ctx, batch_id, line.key, line.unreadable, line.code)
         log.error("%s %s: %s", batch_id, line.key, outcome.line["error"]["message"])
         return outcome
     job = line.line
@@ -156,19 +185,22 @@ def settle(ctx: WorkerContext, batch_id: str, line: Line, cancelled: bool) -> Ou
             "model_not_served",
             f"model {job.model!r} reached a worker serving {ctx.alias!r}; it was not run",
         )
-    return None
+    return context_overflow(ctx.pair, batch_id, job)
 
 
-def _unreadable(ctx: WorkerContext, batch_id: str, line_key: str, reason: str) -> Outcome:
-    """The error line of a request whose stored record cannot be parsed: written at once
-    (a retry would read the same bytes)."""
+def _unreadable(
+    ctx: WorkerContext, batch_id: str, line_key: str, reason: str, code: str = "internal_error"
+) -> Outcome:
+    """The error line of a request whose stored record cannot be parsed (or is too large
+    to be read: `code` invalid_request): written at once (a retry would read the same
+    bytes)."""
     number = int(ctx.conn.zscore(ctx.keys.order(batch_id), line_key) or 0)
     custom_id = line_key[2:] if line_key.startswith("c:") else None
     message = (
         f"the stored request cannot be read ({ctx.keys.requests(batch_id)} field "
         f"{line_key!r}: {reason[:200]}); it was not run"
     )
-    line = error_line(batch_id, number, custom_id, "internal_error", message)
+    line = error_line(batch_id, number, custom_id, code, message)
     return Outcome(False, line, {})
 
 
@@ -226,11 +258,18 @@ def run_lines(batch_id: str, line_keys: list[str], precomputed: Any = None) -> d
     if precomputed is not None:
         return {"lines": len(line_keys)}
     found = read_lines(ctx, batch_id, line_keys)
+    job = get_current_job()
+    if found.gone:
+        drop_gone(batch_id, job.id if job else None, len(line_keys))
+        return {"lines": len(line_keys), "answered": 0}
     sink = ctx.lines()
     failures: dict[str, tuple[str, str]] = {}
     noted = False
     try:
         for i, line in enumerate(found.todo):
+            if sink.gone(batch_id):
+                drop_gone(batch_id, job.id if job else None, len(found.todo) - i)
+                break
             if i and ctx.stopping():
                 raise PutBack(f"{len(found.todo) - i} line(s) of the job not started")
             cancelled = found.cancelled or sink.cancelled(batch_id)

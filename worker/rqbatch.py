@@ -35,6 +35,7 @@ from worker.guard import Heartbeat, SafeJob, vet
 from worker.jobs import (
     Line,
     LinesFailed,
+    drop_gone,
     get_context,
     line_failed,
     read_lines,
@@ -84,6 +85,8 @@ class BatchSession:
         self.taken += len(job.args[1])
         found = read_lines(get_context(), *job.args)
         claimed = _Claimed(job, execution, found.todo)
+        if found.gone:
+            drop_gone(claimed.batch_id, job.id, len(job.args[1]))
         self.cancelled[claimed.batch_id] = found.cancelled or self.cancelled.get(
             claimed.batch_id, False
         )
@@ -133,6 +136,9 @@ class BatchSession:
                     return
                 queue.append(claimed)
             claimed = queue[0]
+            if claimed.left and ctx.lines().gone(claimed.batch_id):
+                drop_gone(claimed.batch_id, claimed.job.id, len(claimed.left))
+                claimed.left.clear()
             if not claimed.left:
                 queue.popleft()
                 self._maybe_perform(claimed)

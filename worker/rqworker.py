@@ -91,13 +91,24 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
 
     death_penalty_class = _NoDeathPenalty  # each line has its own limit (worker.jobs)
 
-    def __init__(self, *args, refused_key: str, stats_key: str, max_batch: int = 1, **kwargs):
+    def __init__(
+        self,
+        *args,
+        refused_key: str,
+        stats_key: str,
+        max_batch: int = 1,
+        announce=None,
+        **kwargs,
+    ):
         # Set before RQ's __init__, which reads dequeue_timeout.
         self.heartbeat_interval = config.heartbeat_interval_s()
         self.heartbeat_ttl = config.heartbeat_ttl_s()
         self.refused_key = refused_key
         self.stats_key = stats_key
         self.max_batch = max_batch
+        #: (worker fields, model key, model fields): written again with the heartbeat, so
+        #: a Redis that lost them (restarted without persistence) knows this worker again.
+        self.announce = announce
         self.cold_signum: int | None = None
         self.stopping = False  # a stop signal has arrived
         self._last_reap = 0.0
@@ -212,8 +223,15 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
             return
         self._last_seen_at = now
         conn = pipeline if pipeline is not None else self.connection
-        conn.hset(self.stats_key, "last_seen", f"{now:.3f}")
+        identity, model_key, model_fields = self.announce or ({}, None, None)
+        conn.hset(self.stats_key, mapping={**identity, "last_seen": f"{now:.3f}"})
         conn.expire(self.stats_key, config.WORKER_STATS_TTL_S)
+        # The alias's record (tokenizer: large) is written only when Redis has lost it.
+        if model_key is not None and not self.connection.exists(model_key):
+            self.connection.hset(model_key, mapping={**model_fields, "updated_at": f"{now:.3f}"})
+            log.warning(
+                "worker %s: announced model %s again (Redis had lost it)", self.name, model_key
+            )
 
     def register_death(self):
         super().register_death()

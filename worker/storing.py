@@ -33,6 +33,7 @@ class LineStore:
         self._count = 0
         self._since = 0.0  # when the oldest pending line finished
         self._cancelled: set[str] = set()
+        self._gone: set[str] = set()  # batches found without their record
         self._lock = threading.RLock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="line-store", daemon=True)
@@ -71,6 +72,14 @@ class LineStore:
         """Whether a store of this batch's lines found it cancelled."""
         return batch_id in self._cancelled
 
+    def gone(self, batch_id: str) -> bool:
+        """Whether a store of this batch's lines found its record gone (nothing stored)."""
+        return batch_id in self._gone
+
+    def known(self, batch_id: str) -> None:
+        """The batch has its record (again): a job read it."""
+        self._gone.discard(batch_id)
+
     def flush(self) -> None:
         """Store every pending line now (each once per line key) and log them."""
         with self._lock:
@@ -88,7 +97,7 @@ class LineStore:
         `pending` at once, so a failure keeps only what was not stored."""
         for batch_id in list(pending):
             lines = pending[batch_id]
-            stored, cancelled = store.put_lines(
+            done = store.put_lines(
                 self.ctx.conn,
                 self.ctx.keys,
                 batch_id,
@@ -97,9 +106,12 @@ class LineStore:
                 ttl_s=self.ctx.ttl_s,
             )
             del pending[batch_id]
-            if cancelled:
+            if done.cancelled:
                 self._cancelled.add(batch_id)
-            for (entry, number, said), wrote in zip(lines, stored, strict=True):
+            if done.gone:  # nothing stored; the job that holds them drops the rest
+                self._gone.add(batch_id)
+                continue
+            for (entry, number, said), wrote in zip(lines, done.written, strict=True):
                 custom_id = entry.key[2:] if entry.key.startswith("c:") else None
                 log.info(
                     "%s line %d (%s): %s%s",
