@@ -355,6 +355,7 @@ def test_a_redis_restart_mid_batch_loses_nothing(private_redis, slow_pair_args, 
     workers = [env.start_worker("--batch", rows, *slow_pair_args) for _ in range(2)]
     out, err = tmp_path / "out.jsonl", tmp_path / "err.jsonl"
     submit_log = tmp_path / "submit.log"
+    where = f"Redis at redis://127.0.0.1:{server.port}/0: "
     with open(submit_log, "wb") as log:
         submit = subprocess.Popen(
             [script("spec-submit"), jobs, "--batch-id", batch, "--wait"]
@@ -367,7 +368,11 @@ def test_a_redis_restart_mid_batch_loses_nothing(private_redis, slow_pair_args, 
         _wait_until(lambda: _done(env, batch) >= 6, timeout=120, what="some lines done")
         done_before = _done(env, batch)
         server.stop()
-        time.sleep(3)  # everyone notices and backs off
+        # Down until the submitter and both workers have met the outage and backed off.
+        logs = [lambda: submit_log.read_text(errors="replace")] + [
+            lambda w=w: w.log for w in workers
+        ]
+        _wait_until(lambda: all(where in log() for log in logs), 60, "everyone to notice")
         server.start()
         assert submit.wait(timeout=180) == 0, submit_log.read_text()
     finally:
@@ -379,7 +384,6 @@ def test_a_redis_restart_mid_batch_loses_nothing(private_redis, slow_pair_args, 
     assert (lost, duplicated) == (0, 0) and len(results) == n
     _tokens_counted_once(env, batch, results)
 
-    where = f"Redis at redis://127.0.0.1:{server.port}/0: "
     text = submit_log.read_text()
     assert where in text and "(attempt 1); retrying in" in text, text
     assert "reconnected after" in text
@@ -701,8 +705,11 @@ def test_a_short_result_ttl_frees_an_uncollected_batch(redis_env, tmp_path):
     res = redis_env.run("spec-submit", jobs, "--batch-id", batch, "--result-ttl", "1")
     assert res.returncode == 0, res.stderr
     assert redis_env.conn.exists(redis_env.keys.batch(batch))
-    time.sleep(2.1)
-    assert list(redis_env.conn.scan_iter(match=f"{redis_env.keys.batch(batch)}*")) == []
+    pattern = f"{redis_env.keys.batch(batch)}*"
+    # Gone within the same 2.1 s as before, but no longer than it takes.
+    _wait_until(
+        lambda: not list(redis_env.conn.scan_iter(match=pattern)), 2.1, "the keys to expire"
+    )
     res = redis_env.run("spec-status", batch)
     assert res.returncode == 1 and res.stderr.startswith("spec-status: error: no batch")
 

@@ -45,8 +45,13 @@ def test_a_long_job_keeps_its_heartbeat_and_runs_once(
     worker = start_worker("--burst", *slow_pair_args)
     _wait_running(redis_env, batch)
     first = _started_expiry(redis_env, batch)
-    time.sleep(1.5)  # registry scores are whole seconds
-    later = _started_expiry(redis_env, batch)
+    # Pushed forward within 1.5 s (registry scores are whole seconds), while still running.
+    later = _wait_until(
+        lambda: (e := _started_expiry(redis_env, batch)) and e > first and e,
+        timeout=1.5,
+        what="the job's liveness to be pushed forward",
+        poll=0.02,
+    )
     assert worker.wait(timeout=300) == 0, worker.log
     (result,) = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
     seconds = result["response"]["body"]["metrics"]["generation_time_ms"] / 1000
