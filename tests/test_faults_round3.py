@@ -128,9 +128,12 @@ def test_a_second_sigterm_while_an_idle_worker_shuts_down_is_one_line_and_143(
         time.sleep(gap)
         w.signal(signal.SIGTERM)
     for w in workers:
-        assert w.wait(timeout=30) == 128 + signal.SIGTERM, w.log
+        # An idle worker's shutdown can be over before the second signal arrives: then
+        # exit 0 is right. Never a traceback or another code, and one line when it landed.
+        code = w.wait(timeout=30)
+        assert code in (0, 128 + signal.SIGTERM), w.log
         assert "Traceback" not in w.log and "quitting" not in w.log.split("shut down")[-1], w.log
-        assert w.log.count("second SIGTERM: stopping now") == 1, w.log
+        assert w.log.count("second SIGTERM: stopping now") == (code != 0), w.log
 
 
 def test_workers_announce_themselves_again_after_redis_lost_its_data(
