@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .dflash import target_layers
+from .dflash import _Hook, target_layers
 from .drafters import PREFILL_CHUNK, DFlashProposer, ModelProposer, _Member
 
 
@@ -28,21 +28,6 @@ def feature_proposer(drafter, target_vocab: int):
     if getattr(drafter, "kind", None) in ("mtp", "eagle3"):
         return HeadProposer(drafter, target_vocab)
     return DFlashProposer(drafter, target_vocab)
-
-
-class _LayerHook:
-    """Stands in for a target decoder layer and keeps its output."""
-
-    def __init__(self, layer, slot: int, store: list):
-        self._layer, self._slot, self._store = layer, slot, store
-
-    def __call__(self, *args, **kwargs):
-        out = self._layer(*args, **kwargs)
-        self._store[self._slot] = out
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._layer, name)
 
 
 class LayerCapture:
@@ -72,7 +57,7 @@ def capture_layers(target, ids: list[int], finish) -> Iterator[LayerCapture]:
     originals = {i: layers[i] for i in where}
     try:
         for slot, i in enumerate(where):
-            layers[i] = _LayerHook(originals[i], slot, cap._outputs)
+            layers[i] = _Hook(originals[i], slot, cap._outputs)
         yield cap
     finally:
         for i, layer in originals.items():
