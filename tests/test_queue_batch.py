@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from conftest import PAIR_ARGS
 from rq.registry import StartedJobRegistry
@@ -114,3 +117,47 @@ def test_a_batched_job_past_its_timeout_fails_alone(
         ("slow", "timeout"),
         ("quick", None),
     ]
+
+
+#: A stub worker (benchmarks/stub_worker.py) whose batched engine fails on any batch
+#: that takes a request with POISON in its prompt; one line at a time it answers it.
+POISONED_WORKER = """
+import sys
+sys.path.insert(0, sys.argv.pop(1))
+import stub_worker
+
+plain = stub_worker.stub_generate_many
+
+def poisoned(pair, requests, max_batch=16, expired=None):
+    def watched():
+        for request in requests:
+            if "POISON" in (request.prompt or ""):
+                raise RuntimeError("a request the batch cannot take")
+            yield request
+    return plain(pair, watched(), max_batch, expired)
+
+stub_worker.stub_generate_many = poisoned
+stub_worker.main(sys.argv[1:])
+"""
+
+
+def test_a_failed_batch_runs_its_jobs_lines_one_by_one(redis_env, tmp_path):
+    stubs = str(Path(__file__).resolve().parent.parent / "benchmarks")
+
+    def worker(*args: str) -> subprocess.CompletedProcess:
+        command = [sys.executable, "-c", POISONED_WORKER, stubs, "--burst", *args]
+        return subprocess.run(command, env=redis_env.env, capture_output=True, text=True)
+
+    assert worker().returncode == 0  # registers the alias
+    lines = [{"custom_id": f"p{i}", "prompt": f"x{i}", "max_tokens": 1} for i in range(12)]
+    lines[5]["prompt"] = "POISON"
+    jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    done = worker("--batch", "4")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "batched run failed; running its remaining lines one by one" in done.stderr
+    results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [r["custom_id"] for r in results] == [x["custom_id"] for x in lines]
+    assert all(r["error"] is None for r in results)
+    assert redis_env.conn.hlen(redis_env.keys.results(batch)) == len(lines)
