@@ -6,6 +6,9 @@ import sys
 
 import click
 
+from contract.defaults import ENGINE
+from contract.limits import DRAFTERS, MAX_DRAFT_TOKENS
+
 
 def _draft_tokens(value: str) -> int | str:
     if value == "auto":
@@ -13,7 +16,9 @@ def _draft_tokens(value: str) -> int | str:
     try:
         return int(value)
     except ValueError:
-        raise click.BadParameter(f"must be 'auto' or an integer 1..16, got {value!r}") from None
+        raise click.BadParameter(
+            f"must be 'auto' or an integer 1..{MAX_DRAFT_TOKENS}, got {value!r}"
+        ) from None
 
 
 @click.command()
@@ -21,17 +26,19 @@ def _draft_tokens(value: str) -> int | str:
 @click.option("--target", default=None, help="Target model directory or hub id (default: demo).")
 @click.option("--draft", default=None, help="Draft model directory or hub id (default: demo's).")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
-@click.option("--temperature", default=0.0, show_default=True, type=click.FloatRange(min=0))
-@click.option("--top-p", default=1.0, show_default=True, type=float)
-@click.option("--top-k", default=0, show_default=True, type=click.IntRange(min=0))
-@click.option("--seed", default=None, type=int, help="Same seed, same output.")
-@click.option("--num-draft-tokens", default="auto", show_default=True, help="1..16 or auto.")
 @click.option(
-    "--drafter",
-    default="model",
-    show_default=True,
-    type=click.Choice(["model", "lookup", "none"]),
+    "--temperature", default=ENGINE.temperature, show_default=True, type=click.FloatRange(min=0)
 )
+@click.option("--top-p", default=ENGINE.top_p, show_default=True, type=float)
+@click.option("--top-k", default=ENGINE.top_k, show_default=True, type=click.IntRange(min=0))
+@click.option("--seed", default=None, type=int, help="Same seed, same output.")
+@click.option(
+    "--num-draft-tokens",
+    default=ENGINE.num_draft_tokens,
+    show_default=True,
+    help=f"1..{MAX_DRAFT_TOKENS} or auto.",
+)
+@click.option("--drafter", default=ENGINE.drafter, show_default=True, type=click.Choice(DRAFTERS))
 @click.option("--chat", is_flag=True, help="Send the prompt as a user chat message.")
 def main(
     prompt,

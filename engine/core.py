@@ -18,10 +18,10 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from contract.limits import MAX_DRAFT_TOKENS
+
 from . import sampling
 from .types import InvalidRequestError
-
-MAX_DRAFT_TOKENS = 16
 
 __all__ = ["MAX_DRAFT_TOKENS", "InvalidRequestError", "Step", "accept_greedy", "accept_sampled"]
 

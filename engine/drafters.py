@@ -24,7 +24,6 @@ from .sampling import DRAW_DRAFT
 # Squeeze holes out of a DFlash context every this many steps (it checks its waste).
 DFLASH_COMPACT_EVERY = 32
 
-DRAFTERS = ("model", "lookup", "none")
 PREFILL_CHUNK = 512
 
 

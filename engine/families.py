@@ -17,13 +17,14 @@ from dataclasses import dataclass
 import mlx.core as mx
 from mlx_lm.models.cache import ArraysCache, KVCache, RotatingKVCache
 
+from contract.limits import DRAFTERS
+
 from .ragged import RaggedLayerCache, RaggedRows
 from .recurrent import RecurrentLayerCache, install_recorder
 from .types import ModelLoadError
 
 #: Names mlx-lm models give the module that owns a recurrent layer's state.
 MIXER_NAMES = ("linear_attn", "mixer", "conv", "mamba", "ssm")
-DRAFTERS = ("model", "lookup", "none")
 
 
 class UnsupportedModelError(ModelLoadError):

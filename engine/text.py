@@ -12,9 +12,9 @@ import os
 import time
 from collections.abc import Callable, Iterable, Iterator
 
+from contract.limits import DRAFTERS, MAX_DRAFT_TOKENS, REQUEST_BOUNDS
+
 from .batch import SpeculativeDecoder, new_decoder
-from .core import MAX_DRAFT_TOKENS
-from .drafters import DRAFTERS
 from .sampling import SamplingParams
 from .types import (
     ContextLengthError,
@@ -34,14 +34,8 @@ def _check(request: GenerationRequest) -> None:
         raise InvalidRequestError(
             f"give exactly one of prompt, messages, prompt_ids; got {given or 'none'}"
         )
-    rules = [
-        ("max_tokens", request.max_tokens >= 1, "must be >= 1"),
-        ("temperature", request.temperature >= 0, "must be >= 0"),
-        ("top_p", 0 < request.top_p <= 1, "must be in (0, 1]"),
-        ("top_k", request.top_k >= 0, "must be >= 0"),
-        ("min_p", 0 <= request.min_p < 1, "must be in [0, 1)"),
-        ("drafter", request.drafter in DRAFTERS, f"must be one of {', '.join(DRAFTERS)}"),
-    ]
+    rules = [(n, b.contains(getattr(request, n)), b.rule()) for n, b in REQUEST_BOUNDS.items()]
+    rules.append(("drafter", request.drafter in DRAFTERS, f"must be one of {', '.join(DRAFTERS)}"))
     for name, ok, rule in rules:
         if not ok:
             raise InvalidRequestError(f"{name}: {rule}, got {getattr(request, name)!r}")

@@ -1,7 +1,8 @@
 """Values that cross the engine's boundary: requests, results, statistics, errors.
 
-This module imports nothing from MLX, so schemas and tests can use it cheaply; rates
-from counters come from jobstore.stats, which imports neither MLX nor Redis.
+This module imports nothing from MLX, so schemas and tests can use it cheaply; the
+defaults, drafter names, counter schema and rates come from `contract` (standard
+library only).
 """
 
 from __future__ import annotations
@@ -9,9 +10,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from jobstore import stats
+from contract import stats
+from contract.defaults import ENGINE
+from contract.limits import DRAFTERS
 
-Drafter = Literal["model", "lookup", "none"]
+Drafter = Literal[DRAFTERS]
 FinishReason = Literal["stop", "length"]
 
 
@@ -48,21 +51,22 @@ class GenerationRequest:
     """One generation. Exactly one of prompt, messages, prompt_ids is set.
 
     temperature 0 means greedy; top_k 0 and top_p 1 mean off. num_draft_tokens is
-    an int in 1..16 or "auto"; drafter picks where draft tokens come from.
+    an int in 1..MAX_DRAFT_TOKENS or "auto"; drafter picks where draft tokens come from.
+    Defaults: `contract.defaults.ENGINE` (greedy, unlike a job-file line).
     """
 
     prompt: str | None = None
     messages: tuple | list | None = None
     prompt_ids: tuple | list | None = None
-    max_tokens: int = 256
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    seed: int | None = None
-    stop: tuple[str, ...] | list[str] | str | None = None
-    num_draft_tokens: int | Literal["auto"] = "auto"
-    drafter: Drafter = "model"
+    max_tokens: int = ENGINE.max_tokens
+    temperature: float = ENGINE.temperature
+    top_p: float = ENGINE.top_p
+    top_k: int = ENGINE.top_k
+    min_p: float = ENGINE.min_p
+    seed: int | None = ENGINE.seed
+    stop: tuple[str, ...] | list[str] | str | None = ENGINE.stop
+    num_draft_tokens: int | Literal["auto"] = ENGINE.num_draft_tokens
+    drafter: Drafter = ENGINE.drafter
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -74,7 +78,8 @@ class GenerationRequest:
 
 @dataclass
 class SpecStats:
-    """Speculative-decoding counters, named and defined as in FORMATS.md.
+    """Speculative-decoding counters, named and defined as in docs/formats.md (the
+    schema: `contract.stats.COUNTERS` and `SERIES`).
 
     Counters add up: the sum of two requests' stats describes both. The
     per-position draft counts are kept raw so sums stay exact.
@@ -107,8 +112,9 @@ class SpecStats:
 
     def merge(self, other: SpecStats) -> None:
         """Add another request's counters to these."""
-        if other.drafter != self.drafter:
-            self.drafter = "mixed" if self.num_spec_steps else other.drafter
+        # Stats that counted no step yet name no drafter of the sum.
+        names = (self.drafter, other.drafter) if self.num_spec_steps else (other.drafter,)
+        self.drafter = stats.drafter_of(names)
         self.num_spec_steps += other.num_spec_steps
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_draft_tokens += other.num_accepted_draft_tokens

@@ -24,12 +24,6 @@ DEFAULT_MODEL = "demo"
 #: submit side reads the target's tokenizer and config from here without MLX.
 DEMO_PAIR_DIR = Path(__file__).resolve().parent.parent / "engine" / "demo"
 
-#: max_tokens of a line that does not set it (the engine's default).
-DEFAULT_MAX_TOKENS = 256
-
-#: temperature of a line that does not set it: 1.0, as in the OpenAI API.
-DEFAULT_TEMPERATURE = 1.0
-
 #: A job may run for BASE + PER_TOKEN * max_tokens + PER_PROMPT_CHAR * prompt chars
 #: seconds before it is stopped: finite, and generous for a slow CPU.
 JOB_TIMEOUT_BASE_S = 120

@@ -23,9 +23,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from jobstore import config
-from jobstore.errors import JobStoreError
-from jobstore.limits import (
+from contract.defaults import JOB_FILE
+from contract.limits import (
     DRAFTERS,
     MAX_CUSTOM_ID_CHARS,
     MAX_DRAFT_TOKENS,
@@ -34,6 +33,8 @@ from jobstore.limits import (
     SEED_MAX,
     SEED_MIN,
 )
+from jobstore import config
+from jobstore.errors import JobStoreError
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETION_URL = "/v1/completions"
@@ -71,16 +72,11 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
 }
 
 
-#: What validation gives a parameter the line does not set (max_tokens and temperature
-#: are always stored: their defaults are settings that may change).
+#: What validation gives a parameter the line does not set, left out of a stored record
+#: when equal (max_tokens and temperature are always stored, so a queued line keeps the
+#: defaults it was validated under).
 RECORD_DEFAULTS: dict[str, Any] = {
-    "top_p": 1.0,
-    "top_k": 0,
-    "min_p": 0.0,
-    "seed": None,
-    "stop": None,
-    "num_draft_tokens": "auto",
-    "drafter": "model",
+    k: v for k, v in JOB_FILE.as_dict().items() if k not in ("max_tokens", "temperature")
 }
 
 
@@ -205,8 +201,8 @@ class _Message(_Strict):
 
 
 class _Speculative(_Strict):
-    num_draft_tokens: Any = "auto"
-    drafter: Literal[DRAFTERS] = "model"
+    num_draft_tokens: Any = JOB_FILE.num_draft_tokens
+    drafter: Literal[DRAFTERS] = JOB_FILE.drafter
 
     @field_validator("num_draft_tokens")
     @classmethod
@@ -226,14 +222,12 @@ class _Body(_Strict):
     messages: list[_Message] | None = Field(None, min_length=1)
     max_tokens: int | None = Field(None, **REQUEST_BOUNDS["max_tokens"].pydantic())
     max_completion_tokens: int | None = Field(None, **REQUEST_BOUNDS["max_tokens"].pydantic())
-    temperature: float = Field(
-        config.DEFAULT_TEMPERATURE, **REQUEST_BOUNDS["temperature"].pydantic()
-    )
-    top_p: float = Field(1.0, **REQUEST_BOUNDS["top_p"].pydantic())
-    top_k: int = Field(0, **REQUEST_BOUNDS["top_k"].pydantic())
-    min_p: float = Field(0.0, **REQUEST_BOUNDS["min_p"].pydantic())
-    seed: int | None = Field(None, ge=SEED_MIN, lt=SEED_MAX)
-    stop: Any = None
+    temperature: float = Field(JOB_FILE.temperature, **REQUEST_BOUNDS["temperature"].pydantic())
+    top_p: float = Field(JOB_FILE.top_p, **REQUEST_BOUNDS["top_p"].pydantic())
+    top_k: int = Field(JOB_FILE.top_k, **REQUEST_BOUNDS["top_k"].pydantic())
+    min_p: float = Field(JOB_FILE.min_p, **REQUEST_BOUNDS["min_p"].pydantic())
+    seed: int | None = Field(JOB_FILE.seed, ge=SEED_MIN, lt=SEED_MAX)
+    stop: Any = JOB_FILE.stop
     speculative: _Speculative | None = None
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -454,7 +448,7 @@ def _parse_line(number: int, raw: bytes, model_override: str | None) -> list:
         params["messages"] = [{"role": m.role, "content": m.content} for m in parsed.messages]
     spec = parsed.speculative or _Speculative()
     params.update(
-        max_tokens=parsed.max_tokens or parsed.max_completion_tokens or config.DEFAULT_MAX_TOKENS,
+        max_tokens=parsed.max_tokens or parsed.max_completion_tokens or JOB_FILE.max_tokens,
         temperature=parsed.temperature,
         top_p=parsed.top_p,
         top_k=parsed.top_k,

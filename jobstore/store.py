@@ -25,10 +25,10 @@ from typing import NamedTuple
 from redis import Redis
 from redis.commands.core import Script
 
+from contract.stats import counters_of_line, from_fields, summary, to_fields
 from jobstore import config
 from jobstore.keys import Keys
 from jobstore.lines import cached_tokens, dumps, error_line, pack
-from jobstore.stats import drafter_of, summary
 
 log = logging.getLogger("specfleet.store")
 
@@ -424,7 +424,6 @@ def drop_results(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -
     if not line_keys:
         return 0
     from jobstore.lines import unpack
-    from jobstore.stats import counters_of_line
 
     args: list = []
     for key, raw in zip(line_keys, conn.hmget(keys.results(batch_id), line_keys), strict=True):
@@ -509,50 +508,19 @@ def remove_queued(conn: Redis, queue_key: str, batch_id: str) -> list[str]:
 
 
 def result_counters(usage: dict, stats: dict, busy_ms: int) -> dict[str, int]:
-    """Counters of one successful request. `stats` holds SpecStats' raw fields
-    (`dataclasses.asdict(SpecStats)`)."""
-    counters = {
+    """Counters of one successful request: its usage and busy time, then its
+    speculative-decoding counters in their hash-field form (`contract.stats.to_fields`).
+    `stats` holds SpecStats' raw fields (`dataclasses.asdict(SpecStats)`)."""
+    return {
         "prompt_tokens": int(usage.get("prompt_tokens", 0)),
         "completion_tokens": int(usage.get("completion_tokens", 0)),
         "cached_prompt_tokens": cached_tokens(usage),
         "busy_ms": int(busy_ms),
+        **to_fields(stats),
     }
-    for name in (
-        "num_spec_steps",
-        "num_draft_tokens",
-        "num_accepted_draft_tokens",
-        "num_emitted_tokens",
-    ):
-        counters[f"sd:{name}"] = int(stats.get(name, 0))
-    for short, name in (
-        ("hist", "acceptance_histogram"),
-        ("dpp", "draft_tokens_per_position"),
-        ("app", "accepted_per_position"),
-    ):
-        for i, n in enumerate(stats.get(name) or []):
-            counters[f"sd:{short}:{i}"] = int(n)
-    counters[f"sd:drafter:{stats.get('drafter', 'none')}"] = 1
-    return counters
 
 
 def spec_summary(fields: dict[str, str]) -> dict:
-    """The FORMATS.md `speculative_decoding` object from summed counters (hash fields
-    as stored by `store_line`), through jobstore.stats like engine.SpecStats.to_dict."""
-
-    def n(name: str) -> int:
-        return int(fields.get(name, 0) or 0)
-
-    def series(short: str) -> list[int]:
-        idx = sorted(int(k.split(":")[2]) for k in fields if k.startswith(f"sd:{short}:"))
-        return [n(f"sd:{short}:{i}") for i in range(idx[-1] + 1)] if idx else []
-
-    return summary(
-        drafter_of(k.split(":", 2)[2] for k in fields if k.startswith("sd:drafter:")),
-        n("sd:num_spec_steps"),
-        n("sd:num_draft_tokens"),
-        n("sd:num_accepted_draft_tokens"),
-        n("sd:num_emitted_tokens"),
-        series("hist"),
-        series("dpp"),
-        series("app"),
-    )
+    """The `speculative_decoding` object of docs/formats.md from summed counters (hash
+    fields as stored by `store_line`), through contract.stats like SpecStats.to_dict."""
+    return summary(**from_fields(fields))

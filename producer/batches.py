@@ -27,6 +27,8 @@ from rq.job import Job
 from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
+from contract.limits import TERMINAL_STATUSES
+from contract.stats import FIELD_PREFIX, SERIES_FIELD_PREFIXES
 from jobstore import config, store
 from jobstore.keys import (
     AUDIT_CHECKED,
@@ -37,7 +39,6 @@ from jobstore.keys import (
     is_line_key,
     job_id,
 )
-from jobstore.limits import TERMINAL_STATUSES
 from jobstore.lines import dumps, error_line, unpack
 from producer.spool import Queued
 from producer.submit import QueuePlan, queue_lines
@@ -115,11 +116,11 @@ _TIME_FIELDS = ("created_at", "started_at", "last_done_at", "completed_at")
 
 def _check_meta(key: str, meta: dict[str, str]) -> None:
     for field, value in meta.items():
-        if field in _INT_FIELDS or field.startswith("sd:"):
+        if field in _INT_FIELDS or field.startswith(FIELD_PREFIX):
             _integer(key, field, value)
         elif field in _TIME_FIELDS:
             _timestamp(key, field, value)
-        if field.startswith(("sd:hist:", "sd:dpp:", "sd:app:")):
+        if field.startswith(SERIES_FIELD_PREFIXES):
             index = field.split(":", 2)[2]
             if not index.isdigit():
                 raise CorruptBatch(f"key {key} field {field}: position {index!r} is not a number")

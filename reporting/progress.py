@@ -21,7 +21,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from jobstore.limits import TERMINAL_STATUSES
+from contract.limits import TERMINAL_STATUSES
 
 #: Without a terminal, at most one progress line per this many seconds (plus the last).
 PLAIN_EVERY_S = 10.0

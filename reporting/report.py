@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import click
 
-from jobstore import stats
+from contract import stats
 from jobstore.options import fail, friendly_errors, redis_option
 
 #: Worker name for lines that do not say which worker ran them (e.g. `spec-run`).
@@ -227,11 +227,12 @@ class Summary:
         ]
 
     def drafter(self) -> str:
-        if not self.drafters:
-            return "none"
-        if len(self.drafters) == 1:
-            return next(iter(self.drafters))
-        return "mixed (" + ", ".join(f"{d}: {n}" for d, n in self.drafters.most_common()) + ")"
+        """The sum's drafter (`contract.stats.drafter_of`), with each drafter's request
+        count when there are several."""
+        name = stats.drafter_of(self.drafters)
+        if len(self.drafters) > 1:
+            name += " (" + ", ".join(f"{d}: {n}" for d, n in self.drafters.most_common()) + ")"
+        return name
 
 
 def _add(into: list, values: Iterable) -> None:

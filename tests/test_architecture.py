@@ -3,14 +3,15 @@
 Every import counts, those inside functions included: a lazy import still ties the two
 modules together. Every rule is about what a module *reaches* (its imports, their
 imports, and so on), not only what it names itself:
-- the engine reaches, of this project, only the `jobstore` package file and
-  `jobstore.stats`, and nothing on its paths imports Redis or RQ;
-- jobstore reaches nothing of this project but itself; reporting only jobstore;
-  producer jobstore and reporting; server (the HTTP submit side) jobstore, producer and
-  reporting; none of them, nor anything they reach, imports MLX;
+- `contract` reaches nothing of this project but itself, and nothing outside the
+  standard library (`sys.stdlib_module_names`); every package may import it;
+- the engine reaches, of this project, only `contract`, and nothing on its paths
+  imports Redis or RQ;
+- jobstore reaches nothing of this project but itself and contract; reporting only
+  jobstore; producer jobstore and reporting; server (the HTTP submit side) jobstore,
+  producer and reporting; none of them, nor anything they reach, imports MLX;
 - worker reaches engine, jobstore and reporting, never producer (and producer never
   worker: what both need goes in jobstore);
-- `jobstore` and `jobstore.stats` reach neither Redis nor MLX;
 - a top-level package the page does not name yet is checked as submit side (no MLX,
   no engine, no worker), and the others may import it only if their own rule holds
   through it;
@@ -41,31 +42,30 @@ REDIS = frozenset({"redis", "rq"})
 
 @dataclass(frozen=True)
 class Rule:
-    """What every module of a package (or one module) may reach through its imports."""
+    """What every module of a package may reach through its imports."""
 
     says: str  # the rule as docs/architecture.md words it
     packages: frozenset[str]  # project packages it may reach, every module of them
-    modules: frozenset[str] = frozenset()  # single modules of other packages it may reach
     banned: frozenset[str] = frozenset()  # outside names nothing it reaches may import
+    stdlib_only: bool = False  # nothing it reaches imports anything but the standard library
 
 
-def _rule(says: str, packages=(), modules=(), banned=frozenset()) -> Rule:
-    return Rule(says, frozenset(packages), frozenset(modules), frozenset(banned))
+def _rule(says: str, packages=(), banned=frozenset(), stdlib_only=False) -> Rule:
+    # Every package may import the contract (standard library only, reaching nothing).
+    return Rule(says, frozenset(packages) | {"contract"}, frozenset(banned), stdlib_only)
 
 
 #: Per top-level package. A package not listed here gets SUBMIT_SIDE (its own name added).
 RULES: dict[str, Rule] = {
-    "engine": _rule(
-        "engine -> jobstore.stats only (pure Python); no Redis or RQ",
-        ["engine"],
-        ["jobstore", "jobstore.stats"],
-        REDIS,
+    "contract": _rule(
+        "contract -> nothing of this project; standard library only", stdlib_only=True
     ),
-    "jobstore": _rule("jobstore -> nothing of this project; no MLX", ["jobstore"], banned=MLX),
+    "engine": _rule("engine -> contract only; no Redis or RQ", ["engine"], REDIS),
+    "jobstore": _rule("jobstore -> contract only; no MLX", ["jobstore"], MLX),
     "producer": _rule(
-        "producer -> jobstore, reporting; no MLX", ["producer", "jobstore", "reporting"], banned=MLX
+        "producer -> jobstore, reporting; no MLX", ["producer", "jobstore", "reporting"], MLX
     ),
-    "reporting": _rule("reporting -> jobstore; no MLX", ["reporting", "jobstore"], banned=MLX),
+    "reporting": _rule("reporting -> jobstore; no MLX", ["reporting", "jobstore"], MLX),
     "worker": _rule(
         "worker -> engine, jobstore, reporting; never producer",
         ["worker", "engine", "jobstore", "reporting"],
@@ -73,22 +73,13 @@ RULES: dict[str, Rule] = {
     "server": _rule(
         "server -> jobstore, producer, reporting; no MLX",
         ["server", "jobstore", "producer", "reporting"],
-        banned=MLX,
+        MLX,
     ),
-}
-#: Single modules with a rule of their own, on top of their package's.
-MODULE_RULES: dict[str, Rule] = {
-    name: _rule(
-        f"{name} imports neither Redis nor MLX (the engine uses it)",
-        modules=["jobstore", "jobstore.stats"],
-        banned=REDIS | MLX,
-    )
-    for name in ("jobstore", "jobstore.stats")
 }
 SUBMIT_SIDE = _rule(
     "a package docs/architecture.md does not name is submit side: no MLX, engine or worker",
     ["jobstore", "producer", "reporting", "server"],
-    banned=MLX,
+    MLX,
 )
 
 
@@ -170,14 +161,23 @@ def rule_for(package: str) -> Rule | None:
     if package in RULES:
         return RULES[package]
     base = SUBMIT_SIDE
-    return Rule(base.says, base.packages | {package}, base.modules, base.banned)
+    return Rule(base.says, base.packages | {package}, base.banned)
 
 
 def _allowed(rule: Rule, module: str) -> bool:
     top = _top(module)
-    # A package without a rule of its own may be imported; the walk goes on through it.
-    unnamed = top not in RULES and top not in TOOLS
-    return top in rule.packages or module in rule.modules or unnamed
+    # A package without a rule of its own may be imported; the walk goes on through it,
+    # except from a standard-library-only package (its import is itself outside).
+    unnamed = top not in RULES and top not in TOOLS and not rule.stdlib_only
+    return top in rule.packages or unnamed
+
+
+def _outside(rule: Rule, tops: set[str]) -> list[str]:
+    """What of these imported top-level names the rule forbids."""
+    hits = tops & rule.banned
+    if rule.stdlib_only:
+        hits |= tops - sys.stdlib_module_names - rule.packages
+    return sorted(hits)
 
 
 def _check(graph: Graph, start: str, rule: Rule) -> dict[tuple[str, str], list[str]]:
@@ -190,7 +190,7 @@ def _check(graph: Graph, start: str, rule: Rule) -> dict[tuple[str, str], list[s
         if not _allowed(rule, module):
             bad[module, f"breaks '{rule.says}'"] = path
             continue
-        if hits := sorted(graph.tops.get(module, set()) & rule.banned):
+        if hits := _outside(rule, graph.tops.get(module, set())):
             bad[module, f"imports {', '.join(hits)}, breaks '{rule.says}'"] = path
         for nxt in sorted(graph.edges.get(module, ())):
             if nxt not in paths:
@@ -204,11 +204,12 @@ def violations(graph: Graph) -> list[str]:
     line each: "a -> b -> c: breaks '...'"."""
     found: dict[tuple[str, str], list[str]] = {}
     for module in sorted(graph.edges):
-        rules = [rule_for(_top(module)), MODULE_RULES.get(module)]
-        for rule in (r for r in rules if r is not None):
-            for key, path in _check(graph, module, rule).items():
-                if key not in found or len(path) < len(found[key]):
-                    found[key] = path
+        rule = rule_for(_top(module))
+        if rule is None:
+            continue
+        for key, path in _check(graph, module, rule).items():
+            if key not in found or len(path) < len(found[key]):
+                found[key] = path
     return sorted(f"{' -> '.join(path)}: {what}" for (_, what), path in found.items())
 
 
@@ -250,11 +251,12 @@ GRAPH = scan(ROOT)
 
 
 def test_the_scan_sees_the_tree():
-    assert {"jobstore.stats", "producer.cli", "worker.cli", "engine.core"} <= GRAPH.edges.keys()
+    assert {"contract.stats", "producer.cli", "worker.cli", "engine.core"} <= GRAPH.edges.keys()
     assert "jobstore.keys" in GRAPH.edges["producer.submit"]
     assert "engine" in GRAPH.tops["worker.execute"]
     assert "reporting.progress" in GRAPH.edges["producer.cli"]  # a function-level import
-    assert {"engine", "jobstore", "producer", "reporting", "worker", "tests"} <= GRAPH.packages
+    assert {"contract", "engine", "jobstore", "producer", "reporting", "worker"} <= GRAPH.packages
+    assert "contract" in GRAPH.edges["engine.types"] and "tests" in GRAPH.packages
 
 
 def test_every_import_path_keeps_the_rules():
@@ -283,7 +285,7 @@ def test_submitting_loads_no_mlx():
     """What the ast says, checked in a real interpreter: the submit-side commands import
     without MLX or the engine."""
     code = (
-        "import sys, producer.cli, reporting.report, jobstore.store, jobstore.stats\n"
+        "import sys, producer.cli, reporting.report, jobstore.store, contract\n"
         "print(sorted({m.split('.')[0] for m in sys.modules} & {'mlx', 'mlx_lm', 'engine'}))"
     )
     out = subprocess.run(
@@ -292,38 +294,64 @@ def test_submitting_loads_no_mlx():
     assert out.stdout.strip() == "[]"
 
 
+def test_the_contract_imports_only_the_standard_library():
+    """Read from the source, and checked in a fresh interpreter (no site packages):
+    importing the contract loads nothing but it and the standard library."""
+    contract = [m for m in GRAPH.tops if _top(m) == "contract"]
+    assert len(contract) >= 4
+    for module in contract:
+        assert GRAPH.tops[module] - {"contract"} <= sys.stdlib_module_names, module
+    code = (
+        "import sys\nbefore = set(sys.modules)\nimport contract\n"
+        "print(sorted({m.split('.')[0] for m in set(sys.modules) - before}"
+        " - sys.stdlib_module_names))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-S", "-c", code], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "['contract']"
+
+
 # -- each rule fails when it is broken -------------------------------------------------------
 
 #: A small tree in the shape of the real one, within the rules: the mutants below break it.
 FAKE_TREE = {
+    "contract/__init__.py": "from contract import stats\n",
+    "contract/stats.py": "from __future__ import annotations\nimport math\n",
     "engine/__init__.py": "",
-    "engine/core.py": "from jobstore import stats\n",
+    "engine/core.py": "from contract import stats\n",
     "engine/batch.py": "from engine import core\n",
     "jobstore/__init__.py": "",
-    "jobstore/stats.py": "import math\n",
-    "jobstore/store.py": "import redis\nfrom jobstore import stats\n",
+    "jobstore/store.py": "import redis\nfrom contract import stats\n",
     "producer/__init__.py": "",
     "producer/cli.py": "from jobstore import store\n\ndef watch():\n    from reporting import progress\n",
     "reporting/__init__.py": "",
-    "reporting/progress.py": "import rich\nfrom jobstore import stats\n",
+    "reporting/progress.py": "import rich\nimport contract\n",
     "worker/__init__.py": "",
     "worker/jobs.py": "import mlx.core\nimport engine.batch, jobstore.store, reporting.progress\n",
     "server/__init__.py": "",
-    "server/app.py": "import fastapi\nfrom producer import cli\n",
-    "newpkg/__init__.py": "import json\n",
+    "server/app.py": "import fastapi\nfrom producer import cli\nfrom contract import stats\n",
+    "newpkg/__init__.py": "import json\nimport contract\n",
     "tests/test_x.py": "import engine.batch, producer.cli, worker.jobs\n",
 }
 
 #: ({file: an import added inside a function}, the rule that must fail, a module on its path)
 MUTANTS = [
-    ({"engine/batch.py": "import jobstore.store"}, "engine -> jobstore.stats", "jobstore.store"),
-    ({"engine/core.py": "from producer import cli"}, "engine -> jobstore.stats", "producer.cli"),
+    ({"engine/batch.py": "import jobstore.store"}, "engine -> contract only", "jobstore.store"),
+    ({"engine/core.py": "import jobstore"}, "engine -> contract only", "jobstore"),
+    ({"engine/core.py": "from producer import cli"}, "engine -> contract only", "producer.cli"),
     ({"engine/core.py": "import rq"}, "no Redis or RQ", "engine.core"),
-    # Transitive: the engine's own files are unchanged; what it imports now reaches Redis.
-    ({"jobstore/stats.py": "from jobstore import store"}, "engine -> jobstore", "engine.core"),
-    ({"jobstore/stats.py": "import redis"}, "jobstore.stats imports neither", "jobstore.stats"),
-    ({"jobstore/store.py": "import reporting.progress"}, "jobstore -> nothing", "jobstore.store"),
-    ({"jobstore/store.py": "import mlx_lm"}, "jobstore -> nothing", "jobstore.store"),
+    # Transitive: the engine's own files are unchanged; what it imports now reaches jobstore.
+    ({"contract/stats.py": "from jobstore import store"}, "engine -> contract", "engine.core"),
+    ({"contract/stats.py": "from jobstore import store"}, "contract -> nothing", "jobstore"),
+    ({"contract/stats.py": "import redis"}, "standard library only", "contract.stats"),
+    ({"contract/stats.py": "import redis"}, "no Redis or RQ", "contract.stats"),
+    ({"contract/stats.py": "import pydantic"}, "standard library only", "contract.stats"),
+    ({"contract/__init__.py": "import engine.core"}, "contract -> nothing", "engine.core"),
+    # A package without a rule is no way out of the contract's.
+    ({"contract/stats.py": "import newpkg"}, "contract -> nothing", "newpkg"),
+    ({"jobstore/store.py": "import reporting.progress"}, "jobstore -> contract", "jobstore.store"),
+    ({"jobstore/store.py": "import mlx_lm"}, "jobstore -> contract", "jobstore.store"),
     ({"producer/cli.py": "import worker.jobs"}, "producer -> jobstore, reporting", "worker.jobs"),
     # Transitive: through reporting, worker reaches producer, and producer worker.
     ({"reporting/progress.py": "import producer.cli"}, "never producer", "reporting.progress"),
@@ -337,7 +365,7 @@ MUTANTS = [
     # Through a package without a rule: the importer's own rule holds through it.
     (
         {"engine/core.py": "import newpkg", "newpkg/__init__.py": "import jobstore.store"},
-        "engine -> jobstore.stats",
+        "engine -> contract only",
         "newpkg",
     ),
 ]
@@ -356,7 +384,8 @@ def test_the_fake_tree_keeps_every_rule(tmp_path):
     graph = scan(_write_tree(tmp_path))
     assert violations(graph) == [] and cycles(graph) == set()
     assert "reporting.progress" in graph.edges["producer.cli"]
-    names = {"engine", "jobstore", "producer", "reporting", "worker", "server", "newpkg", "tests"}
+    names = {"contract", "engine", "jobstore", "producer", "reporting", "worker", "server"}
+    names |= {"newpkg", "tests"}
     assert graph.packages == names
 
 
@@ -376,12 +405,15 @@ def test_a_cycle_fails(tmp_path):
 @pytest.mark.parametrize(
     "source, target, rule",
     [
-        ("engine.batch", "jobstore.store", "engine -> jobstore.stats"),
-        ("engine.batch", "producer.batches", "engine -> jobstore.stats"),
-        ("jobstore.stats", "jobstore.keys", "engine -> jobstore.stats"),  # engine.types reaches it
+        ("engine.batch", "jobstore.store", "engine -> contract only"),
+        ("engine.types", "jobstore", "engine -> contract only"),
+        ("engine.batch", "producer.batches", "engine -> contract only"),
+        ("contract.stats", "jobstore.keys", "contract -> nothing"),
+        ("contract.stats", "jobstore.keys", "engine -> contract only"),  # engine.types reaches it
+        ("contract.limits", "engine.core", "contract -> nothing"),
         ("producer.cli", "worker.execute", "producer -> jobstore, reporting"),
         ("reporting.progress", "producer.cli", "never producer"),  # worker.local reaches it
-        ("jobstore.lines", "reporting.progress", "jobstore -> nothing"),
+        ("jobstore.lines", "reporting.progress", "jobstore -> contract only"),
         ("reporting.report", "engine.core", "reporting -> jobstore"),
     ],
 )
@@ -390,3 +422,13 @@ def test_an_edge_added_to_the_real_graph_fails(source, target, rule):
     edges[source].add(target)
     found = violations(Graph(edges, GRAPH.tops, GRAPH.packages))
     assert any(rule in v for v in found), found
+
+
+@pytest.mark.parametrize("outside", ["pydantic", "redis", "numpy"])
+def test_an_outside_import_added_to_the_contract_fails(outside):
+    tops = {k: set(v) for k, v in GRAPH.tops.items()}
+    tops["contract.defaults"].add(outside)
+    found = violations(Graph(GRAPH.edges, tops, GRAPH.packages))
+    assert any(
+        v.startswith("contract.defaults:") and "standard library only" in v for v in found
+    ), found

@@ -203,7 +203,7 @@ def test_submit_reads_standard_input_and_a_database_that_is_not_a_number_is_refu
 def _counters_of(results: list[dict]) -> dict[str, int]:
     """What the batch hash must hold for these result lines: every counter a result line
     carries, summed (busy time and audit counters are not in a line)."""
-    from jobstore.stats import counters_of_line
+    from contract.stats import counters_of_line
     from jobstore.store import result_counters
 
     total: dict[str, int] = {"completed": len(results)}

@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from contract.defaults import JOB_FILE
 from jobstore import config
 from jobstore.jobfile import LineError, validate_file
 from jobstore.lines import effective_seed, error_line, result_line
@@ -361,8 +362,8 @@ def test_defaults_and_model_override(tmp_path):
     path.write_text('{"custom_id": "a", "prompt": "x", "model": "other"}\n')
     (job,) = validate_file(str(path))
     assert job.model == "other"
-    assert job.params["max_tokens"] == config.DEFAULT_MAX_TOKENS
-    assert job.params["temperature"] == config.DEFAULT_TEMPERATURE
+    assert job.params["max_tokens"] == JOB_FILE.max_tokens == 256
+    assert job.params["temperature"] == JOB_FILE.temperature == 1.0
     (job,) = validate_file(str(path), model_override="demo")
     assert job.model == "demo"
 

@@ -1,9 +1,12 @@
-"""jobstore.limits: the contract's constants, stated once, and the job file and the
-engine agreeing with them."""
+"""contract.limits and contract.defaults: the contract's constants and request
+defaults, stated once, and the job file and the engine taking them from there."""
+
+import math
 
 import pytest
 
-from jobstore import limits
+from contract import limits
+from contract.defaults import ENGINE, JOB_FILE
 from jobstore.jobfile import parse_line
 
 
@@ -49,9 +52,46 @@ def test_num_draft_tokens_and_drafter_follow_the_limits():
         assert (getattr(first, "field", None) is None) is ok, (spec, first)
 
 
-def test_the_engine_states_the_same_constants():
-    """Until the engine takes them from jobstore.limits, it must at least agree."""
-    from engine import core, drafters
+def test_the_engine_takes_the_constants_from_the_contract():
+    from engine import core, families, text
+    from engine.types import Drafter
 
-    assert drafters.DRAFTERS == limits.DRAFTERS
-    assert core.MAX_DRAFT_TOKENS == limits.MAX_DRAFT_TOKENS
+    assert families.DRAFTERS is limits.DRAFTERS
+    assert text.DRAFTERS is limits.DRAFTERS
+    assert core.MAX_DRAFT_TOKENS is limits.MAX_DRAFT_TOKENS
+    assert Drafter.__args__ == limits.DRAFTERS
+
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("max_tokens", 0),
+        ("temperature", -0.5),
+        ("temperature", math.nan),
+        ("top_p", 0),
+        ("top_p", math.nan),
+        ("top_k", -1),
+        ("min_p", 1),
+    ],
+)
+def test_the_engine_refuses_what_the_bounds_exclude(name, value):
+    from engine.text import _check
+    from engine.types import GenerationRequest, InvalidRequestError
+
+    bound = limits.REQUEST_BOUNDS[name]
+    assert not bound.contains(value)
+    with pytest.raises(InvalidRequestError) as info:
+        _check(GenerationRequest(prompt="hi", **{name: value}))
+    assert str(info.value) == f"{name}: {bound.rule()}, got {value!r}"
+
+
+def test_the_two_doors_differ_only_in_temperature():
+    from engine.types import GenerationRequest
+
+    job, engine = JOB_FILE.as_dict(), ENGINE.as_dict()
+    assert {k for k in job if job[k] != engine[k]} == {"temperature"}
+    assert (JOB_FILE.temperature, ENGINE.temperature) == (1.0, 0.0)
+    request = GenerationRequest(prompt="hi")
+    assert {k: getattr(request, k) for k in engine} == engine
+    (line,) = parse_line(1, b'{"custom_id": "a", "prompt": "hi"}')
+    assert line.params == {"prompt": "hi", **job}

@@ -1,7 +1,9 @@
-"""jobstore.stats: the one place rates come from counters, and the report's sums are
-exact counts, never rebuilt from rounded rates."""
+"""contract.stats: the one place rates come from counters and the counter schema is
+named, and the report's sums are exact counts, never rebuilt from rounded rates."""
 
-from jobstore import stats
+from dataclasses import asdict, fields
+
+from contract import stats
 from reporting.report import parse_line, summarize
 
 
@@ -40,3 +42,61 @@ def test_report_sums_the_lines_raw_counters():
     assert s.num_emitted_tokens == 150003
     assert s.acceptance_histogram == [30003, 60000]
     assert s.mean_acceptance_length == stats.rate(150003, 90003)
+
+
+def test_the_counter_schema_is_spec_stats_fields():
+    from engine.types import SpecStats
+
+    assert [f.name for f in fields(SpecStats)] == ["drafter", *stats.COUNTERS, *stats.SERIES]
+
+
+def test_hash_fields_round_trip_the_counters():
+    counters = {
+        "drafter": "lookup",
+        "num_spec_steps": 4,
+        "num_draft_tokens": 10,
+        "num_accepted_draft_tokens": 6,
+        "num_emitted_tokens": 13,
+        "acceptance_histogram": [1, 1, 0, 2],
+        "draft_tokens_per_position": [4, 3, 3],
+        "accepted_per_position": [3, 2, 1],
+    }
+    flat = stats.to_fields(counters)
+    assert flat == {
+        "sd:num_spec_steps": 4,
+        "sd:num_draft_tokens": 10,
+        "sd:num_accepted_draft_tokens": 6,
+        "sd:num_emitted_tokens": 13,
+        "sd:hist:0": 1,
+        "sd:hist:1": 1,
+        "sd:hist:2": 0,
+        "sd:hist:3": 2,
+        "sd:dpp:0": 4,
+        "sd:dpp:1": 3,
+        "sd:dpp:2": 3,
+        "sd:app:0": 3,
+        "sd:app:1": 2,
+        "sd:app:2": 1,
+        "sd:drafter:lookup": 1,
+    }
+    assert stats.from_fields({k: str(v) for k, v in flat.items()}) == counters
+    both = {**flat, "sd:drafter:model": 1, "completed": 2}
+    assert stats.from_fields(both)["drafter"] == "mixed"
+    assert stats.from_fields({})["acceptance_histogram"] == []
+
+
+def test_every_sum_names_its_drafter_the_same_way():
+    from engine.types import SpecStats
+
+    total = SpecStats()
+    total.merge(SpecStats(drafter="model", num_spec_steps=1))
+    assert total.drafter == "model" == stats.drafter_of(["model"])
+    total.merge(SpecStats(drafter="model", num_spec_steps=2))
+    assert total.drafter == "model"
+    total.merge(SpecStats(drafter="lookup", num_spec_steps=1))
+    assert total.drafter == "mixed" == stats.drafter_of(["model", "lookup"])
+    lines = [parse_line(_line(0)), parse_line(_line(1))]
+    assert summarize(lines).drafter() == "model"
+    assert summarize([]).drafter() == "none" == stats.drafter_of([])
+    merged = stats.from_fields({**stats.to_fields(asdict(total)), "sd:drafter:lookup": 1})
+    assert merged["drafter"] == "mixed"

@@ -1,5 +1,6 @@
-"""Constants of the data contract (FORMATS.md), stated once. Pure Python: the job-file
-validation, the engine's request checks and the CLIs all take them from here."""
+"""Limits of the data contract (docs/formats.md), stated once: drafter names, the
+largest draft length, the bounds of a request's fields, batch statuses. The job-file
+validation, the engine's request check and the CLIs all take them from here."""
 
 from __future__ import annotations
 
@@ -31,11 +32,10 @@ class Bound:
     high_open: bool = False
 
     def contains(self, value: float) -> bool:
-        if self.low is not None and (value <= self.low if self.low_open else value < self.low):
-            return False
-        if self.high is not None and (value >= self.high if self.high_open else value > self.high):
-            return False
-        return True
+        """Whether value lies in the interval (NaN lies in none, as pydantic's check says)."""
+        above = self.low is None or (value > self.low if self.low_open else value >= self.low)
+        below = self.high is None or (value < self.high if self.high_open else value <= self.high)
+        return above and below
 
     def rule(self) -> str:
         """The rule in words: `must be >= 0`, `must be in (0, 1]`."""

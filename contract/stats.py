@@ -1,14 +1,36 @@
-"""Speculative-decoding statistics: raw counters in, the rates of FORMATS.md out.
+"""Speculative-decoding statistics: the counter schema, its flat form in Redis hash
+fields, and the rates of docs/formats.md.
 
-Everything that counts keeps raw integers (the engine's SpecStats, the Redis hash
+Everything that counts keeps raw integers (the engine's SpecStats, the `sd:*` hash
 fields of jobstore.store, the report's sums), so sums over requests, workers and
-batches stay exact; this module alone turns counters into rates. Pure Python: the
-engine imports it, so it imports neither MLX nor Redis.
+batches stay exact; this module alone names the counters, lays them out as hash
+fields, says which drafter a sum came from, and turns counters into rates.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+
+#: Counters of a request that add up as single integers (SpecStats' fields).
+COUNTERS = (
+    "num_spec_steps",
+    "num_draft_tokens",
+    "num_accepted_draft_tokens",
+    "num_emitted_tokens",
+)
+#: Counters kept as a list, one integer per index (accepted count or draft position),
+#: and the short name their hash fields use: `sd:hist:<i>`, `sd:dpp:<i>`, `sd:app:<i>`.
+SERIES = {
+    "acceptance_histogram": "hist",
+    "draft_tokens_per_position": "dpp",
+    "accepted_per_position": "app",
+}
+#: Prefix of every statistics field of a batch's or a worker's hash.
+FIELD_PREFIX = "sd:"
+#: Prefixes of the series' fields, each followed by an index.
+SERIES_FIELD_PREFIXES = tuple(f"{FIELD_PREFIX}{short}:" for short in SERIES.values())
+#: Prefix of the fields counting requests per drafter: `sd:drafter:<name>`.
+DRAFTER_FIELD_PREFIX = f"{FIELD_PREFIX}drafter:"
 
 #: Decimal places of every rate in a result line or status object.
 RATE_DIGITS = 4
@@ -20,7 +42,8 @@ def rate(numerator: float, denominator: float) -> float:
 
 
 def drafter_of(names: Iterable[str]) -> str:
-    """The drafter of a sum of requests: the one name, "mixed", or "none" for no names."""
+    """The drafter of a sum of requests, from the drafter names of what was summed: the
+    one name, "mixed" for more than one, or "none" for no names."""
     distinct = sorted(set(names))
     if not distinct:
         return "none"
@@ -96,3 +119,35 @@ def counters_of_line(spec: dict, completion_tokens: int) -> dict:
         "draft_tokens_per_position": proposed,
         "accepted_per_position": accepted,
     }
+
+
+def to_fields(counters: Mapping) -> dict[str, int]:
+    """The flat hash-field form of one request's counters (`sd:num_spec_steps`,
+    `sd:hist:<i>`, ..., and `sd:drafter:<name>` set to 1), which Redis sums field by
+    field. counters: SpecStats' fields (`dataclasses.asdict(SpecStats)`) or the
+    result of `counters_of_line`."""
+    fields = {f"{FIELD_PREFIX}{name}": int(counters.get(name, 0)) for name in COUNTERS}
+    for name, short in SERIES.items():
+        for i, n in enumerate(counters.get(name) or []):
+            fields[f"{FIELD_PREFIX}{short}:{i}"] = int(n)
+    fields[f"{DRAFTER_FIELD_PREFIX}{counters.get('drafter', 'none')}"] = 1
+    return fields
+
+
+def from_fields(fields: Mapping[str, str]) -> dict:
+    """Counters from summed hash fields (other fields are ignored): the keyword
+    arguments of `summary`. A series runs up to its highest index, missing ones 0."""
+
+    def n(name: str) -> int:
+        return int(fields.get(name, 0) or 0)
+
+    def series(short: str) -> list[int]:
+        prefix = f"{FIELD_PREFIX}{short}:"
+        idx = sorted(int(k.split(":")[2]) for k in fields if k.startswith(prefix))
+        return [n(f"{prefix}{i}") for i in range(idx[-1] + 1)] if idx else []
+
+    drafters = (k.split(":", 2)[2] for k in fields if k.startswith(DRAFTER_FIELD_PREFIX))
+    counters: dict = {"drafter": drafter_of(drafters)}
+    counters.update({name: n(f"{FIELD_PREFIX}{name}") for name in COUNTERS})
+    counters.update({name: series(short) for name, short in SERIES.items()})
+    return counters
