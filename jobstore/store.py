@@ -26,7 +26,7 @@ from redis import Redis
 from redis.commands.core import Script
 
 from jobstore import config
-from jobstore.keys import Keys
+from jobstore.keys import Keys, custom_id_of
 from jobstore.lines import cached_tokens, dumps, error_line, pack
 from jobstore.stats import drafter_of, summary
 
@@ -379,8 +379,8 @@ def _oversized(
     try:
         line = int(json.loads(line_json)["id"].rsplit("-", 1)[1])
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        line = int(conn.zscore(keys.order(batch_id), line_key) or 0)
-    custom_id = line_key[2:] if line_key.startswith("c:") else None
+        line = line_number(conn, keys, batch_id, line_key)
+    custom_id = custom_id_of(line_key)
     message = (
         f"result line too large: {size} bytes, over the limit of {limit} bytes "
         "(SPEC_MAX_RESULT_BYTES on the workers): ask for less (max_tokens, metadata) "
@@ -390,6 +390,18 @@ def _oversized(
         "%s line %d (%s): %s; stored an error line instead", batch_id, line, custom_id, message
     )
     return dumps(error_line(batch_id, line, custom_id, "invalid_request", message))
+
+
+def line_number(conn: Redis, keys: Keys, batch_id: str, line_key: str, record=None) -> int:
+    """A line's number in the file that queued it: from its request record (JSON bytes)
+    when given one that says, else its number in the `order` zset (the latest file),
+    else 0."""
+    if record is not None:
+        try:
+            return int(json.loads(record)["line"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    return int(conn.zscore(keys.order(batch_id), line_key) or 0)
 
 
 def classify(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> list[str]:

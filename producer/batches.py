@@ -33,6 +33,7 @@ from jobstore.keys import (
     AUDIT_MISMATCHES,
     JOBS_FIELD,
     Keys,
+    custom_id_of,
     is_job_of,
     is_line_key,
     job_id,
@@ -487,9 +488,8 @@ def _stored_line(raw: bytes) -> tuple[str, str | None]:
 
 def _corrupt_line(conn: Redis, keys: Keys, batch_id: str, line_key: str, where: str) -> str:
     """The internal_error error line written in place of a damaged stored line."""
-    score = conn.zscore(keys.order(batch_id), line_key)
-    line = int(score) if score is not None else 0
-    custom_id = line_key[2:] if line_key.startswith("c:") else None
+    line = store.line_number(conn, keys, batch_id, line_key)
+    custom_id = custom_id_of(line_key)
     message = f"the stored line is damaged ({where}): run the line again in a new batch"
     return dumps(error_line(batch_id, line, custom_id, "internal_error", message))
 
@@ -703,8 +703,8 @@ def cancel(conn: Redis, keys: Keys, batch_id: str) -> int:
             for key, record in zip(line_keys, records, strict=True):
                 if record is None:
                     continue  # answered already
-                line = _line_number(conn, keys, batch_id, key, record)
-                custom_id = key[2:] if key.startswith("c:") else None
+                line = store.line_number(conn, keys, batch_id, key, record)
+                custom_id = custom_id_of(key)
                 line_json = dumps(
                     error_line(
                         batch_id, line, custom_id, "cancelled", "cancelled before it started"
@@ -719,12 +719,3 @@ def _fetch(conn: Redis, job: str) -> Job | None:
         return Job.fetch(job, connection=conn, serializer=JSONSerializer)
     except (NoSuchJobError, ValueError, TypeError):
         return None
-
-
-def _line_number(conn: Redis, keys: Keys, batch_id: str, key: str, record: bytes) -> int:
-    """The line number of the file that enqueued a line (from its request record), else
-    its number in the latest file."""
-    try:
-        return int(json.loads(record)["line"])
-    except (ValueError, KeyError, TypeError):
-        return int(conn.zscore(keys.order(batch_id), key) or 0)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jobstore import config
-from jobstore.keys import line_key
+from jobstore.keys import custom_id_of, line_key
 from jobstore.lines import dumps
 
 if TYPE_CHECKING:
@@ -121,7 +121,7 @@ class Spool:
                 continue
             number, timeout, model, digest, key, record = text.rstrip("\n").split("\t", 5)
             key = json.loads(key)
-            yield Queued(key, int(number), key[2:], model, int(timeout), record, digest)
+            yield Queued(key, int(number), custom_id_of(key), model, int(timeout), record, digest)
 
     @property
     def lines(self) -> int:

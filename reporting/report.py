@@ -162,6 +162,7 @@ def read_batch(
 
 def _stored_line(raw, key: str, line_key, warn: Callable[[str], None] | None) -> Line:
     from jobstore import config
+    from jobstore.keys import custom_id_of
     from jobstore.lines import unpack
 
     field = line_key.decode(errors="replace") if isinstance(line_key, bytes) else line_key
@@ -171,7 +172,7 @@ def _stored_line(raw, key: str, line_key, warn: Callable[[str], None] | None) ->
         problem = f"key {key} field {field}: damaged stored line ({exc})"
     if warn:
         warn(f"{problem}; counted as an internal_error line")
-    custom_id = field[2:] if field.startswith("c:") else None
+    custom_id = custom_id_of(field)
     return Line(custom_id, False, error_code="internal_error", error_message=problem)
 
 
