@@ -39,7 +39,7 @@ from jobstore.keys import (
     job_id,
 )
 from jobstore.limits import TERMINAL_STATUSES
-from jobstore.lines import dumps, error_line, unpack
+from jobstore.lines import dumps, error_line
 from producer.spool import Queued
 from producer.submit import QueuePlan, queue_lines
 
@@ -353,20 +353,6 @@ def _seen(key: str, value) -> float | None:
     return _timestamp(key, "last_seen", _text(value))
 
 
-def _line_keys(conn: Redis, keys: Keys, batch_id: str, order: str) -> Iterator[list[str]]:
-    step = config.CHUNK_LINES
-    start = 0
-    while True:
-        if order == "input":
-            chunk = conn.zrange(keys.order(batch_id), start, start + step - 1)
-        else:
-            chunk = conn.lrange(keys.done(batch_id), start, start + step - 1)
-        if not chunk:
-            return
-        yield [_text(k) for k in chunk]
-        start += step
-
-
 def stored_lines(
     conn: Redis, keys: Keys, batch_id: str, order: Literal["input", "completion"] = "input"
 ) -> Iterator[tuple[Literal["result", "error", "pending"], str, str | None]]:
@@ -374,26 +360,16 @@ def stored_lines(
     a time: (kind, JSON line, problem). A line without a result or error line yet is
     ("pending", "", None); a stored line that is damaged comes as ("error", its
     `internal_error` line, where: key, field and what is wrong)."""
-    for chunk in _line_keys(conn, keys, batch_id, order):
-        with conn.pipeline(transaction=False) as pipe:
-            pipe.hmget(keys.results(batch_id), chunk)
-            pipe.hmget(keys.errors(batch_id), chunk)
-            results, errors = pipe.execute()
-        for line_key, result, error in zip(chunk, results, errors, strict=True):
-            raw, hash_key = (
-                (result, keys.results(batch_id))
-                if result is not None
-                else (error, keys.errors(batch_id))
-            )
-            if raw is None:
-                yield "pending", "", None
-                continue
-            text, problem = _stored_line(raw)
-            if problem:
-                where = f"key {hash_key} field {line_key}: {problem}"
-                yield "error", _corrupt_line(conn, keys, batch_id, line_key, where), where
-                continue
-            yield ("result" if result is not None else "error"), text, None
+    for line in store.read_lines(conn, keys, batch_id, order):
+        if line.kind == "pending":
+            yield "pending", "", None
+            continue
+        problem = _problem(line)
+        if problem:
+            where = f"key {line.hash_key} field {line.key}: {problem}"
+            yield "error", _corrupt_line(conn, keys, batch_id, line.key, where), where
+            continue
+        yield line.kind, line.text, None
 
 
 @_redis_refusals
@@ -469,21 +445,18 @@ def _check_final(conn: Redis, keys: Keys, batch_id: str) -> None:
         raise BatchError(f"batch {batch_id} is {what}{detail}: collect without --delete, or wait")
 
 
-def _stored_line(raw: bytes) -> tuple[str, str | None]:
-    """(the JSON line, None), or (anything, why the stored value cannot be written as a
-    JSONL line): damaged compressed data, text that is not JSON, JSON that is not an
-    object."""
+def _problem(line: store.StoredLine) -> str | None:
+    """Why a stored line cannot be written as a JSONL line (damaged compressed data, text
+    that is not JSON, JSON that is not an object), else None."""
+    if line.damage is not None:
+        return f"not a valid stored line ({line.damage})"
     try:
-        text = unpack(raw, config.MAX_STORED_LINE_BYTES)
-    except ValueError as exc:  # damaged compressed data, or not UTF-8
-        return "", f"not a valid stored line ({exc})"
-    try:
-        value = json.loads(text)
+        value = json.loads(line.text)
     except (ValueError, RecursionError) as exc:
-        return text, f"not valid JSON ({type(exc).__name__}: {exc})"
+        return f"not valid JSON ({type(exc).__name__}: {exc})"
     if not isinstance(value, dict):
-        return text, f"not a JSON object (a {type(value).__name__})"
-    return text, None
+        return f"not a JSON object (a {type(value).__name__})"
+    return None
 
 
 def _corrupt_line(conn: Redis, keys: Keys, batch_id: str, line_key: str, where: str) -> str:
