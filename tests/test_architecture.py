@@ -377,7 +377,7 @@ def test_a_cycle_fails(tmp_path):
     "source, target, rule",
     [
         ("engine.batch", "jobstore.store", "engine -> jobstore.stats"),
-        ("engine.batch", "producer.batches", "engine -> jobstore.stats"),
+        ("engine.batch", "producer.status", "engine -> jobstore.stats"),
         ("jobstore.stats", "jobstore.keys", "engine -> jobstore.stats"),  # engine.types reaches it
         ("producer.cli", "worker.execute", "producer -> jobstore, reporting"),
         ("reporting.progress", "producer.cli", "never producer"),  # worker.local reaches it
