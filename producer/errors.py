@@ -31,6 +31,7 @@ class CorruptLines(CorruptBatch):
 
 
 def first_line(exc: Exception) -> str:
+    """The first line of an exception's message (its type's name when it has none)."""
     return (str(exc) or type(exc).__name__).splitlines()[0]
 
 

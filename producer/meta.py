@@ -42,7 +42,7 @@ _INT_FIELDS = (
 _TIME_FIELDS = ("created_at", "started_at", "last_done_at", "completed_at")
 
 
-def check_meta(key: str, meta: dict[str, str]) -> None:
+def _check_meta(key: str, meta: dict[str, str]) -> None:
     for field, value in meta.items():
         if field in _INT_FIELDS or field.startswith("sd:"):
             integer(key, field, value)
@@ -55,6 +55,7 @@ def check_meta(key: str, meta: dict[str, str]) -> None:
 
 
 def integer(key: str, field: str, value: str) -> int:
+    """A hash field's value as an integer; raises CorruptBatch naming key and field."""
     try:
         return int(value)
     except ValueError as exc:
@@ -62,6 +63,7 @@ def integer(key: str, field: str, value: str) -> int:
 
 
 def timestamp(key: str, field: str, value: str) -> float:
+    """A hash field's value as a Unix time; raises CorruptBatch naming key and field."""
     try:
         t = float(value)
     except ValueError:
@@ -72,17 +74,20 @@ def timestamp(key: str, field: str, value: str) -> float:
 
 
 def read_meta(conn: Redis, keys: Keys, batch_id: str) -> dict[str, str]:
+    """The batch's hash, checked (key types, record, counters, timestamps). Raises
+    BatchError for an unknown or lost batch, CorruptBatch for damaged state."""
     check_key_types(conn, keys, batch_id)
     problem = store.record_problem(conn, keys, batch_id)
     if problem:
         raise BatchError(problem)
     raw = conn.hgetall(keys.batch(batch_id))
     meta = {text(k): text(v) for k, v in raw.items()}
-    check_meta(keys.batch(batch_id), meta)
+    _check_meta(keys.batch(batch_id), meta)
     return meta
 
 
 def models_of(meta: dict[str, str]) -> list[str]:
+    """The model aliases a batch has queued lines for (its `model:<alias>` fields)."""
     return sorted(k.split(":", 1)[1] for k in meta if k.startswith("model:"))
 
 
