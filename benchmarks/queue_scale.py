@@ -205,13 +205,13 @@ def big_batch(conn, env, keys, tmp: Path, n: int, workers: int) -> dict:
 def time_status(env, conn, keys, batch: str) -> dict:
     """spec-status: the command's wall time (median of 3) and the status call alone."""
     sys.path.insert(0, str(ROOT))
-    from producer import batches
+    from producer.status import status
 
     runs = sorted(measured(env, [script("spec-status"), batch])["s"] for _ in range(3))
     calls = []
     for _ in range(3):
         t0 = time.perf_counter()
-        batches.status(conn, keys, batch)
+        status(conn, keys, batch)
         calls.append(time.perf_counter() - t0)
     return {"command_s": runs[1], "call_s": sorted(calls)[1]}
 

@@ -164,6 +164,25 @@ class LineError:
         )
 
 
+@dataclass(frozen=True)
+class Verdict:
+    """What validation says of one non-blank line: its JobLine, or every problem it has
+    (all of this line, at least one)."""
+
+    line: int
+    job: JobLine | None
+    errors: tuple[LineError, ...] = ()
+
+    @property
+    def custom_id(self) -> str | None:
+        """The custom_id its outcome is stored under (None: under its line number)."""
+        return self.job.custom_id if self.job is not None else self.errors[0].custom_id
+
+    def message(self) -> str:
+        """A rejected line's problems in one message: `field: message; ...`."""
+        return "; ".join(f"{e.field}: {e.message}" if e.field else e.message for e in self.errors)
+
+
 class JobFileError(JobStoreError):
     """The job file cannot be read at all (missing, a directory, unreadable)."""
 
@@ -305,12 +324,12 @@ def read_lines(path: str) -> Iterator[tuple[int, bytes | None]]:
             yield number, raw.rstrip(b"\r\n")
 
 
-def validate_file(
+def validate_lines(
     path: str,
     model_override: str | None = None,
     check: Callable[[JobLine], LineError | None] | None = None,
-) -> Iterator[JobLine | LineError]:
-    """Validate a job file, yielding a JobLine or one or more LineErrors per non-blank line.
+) -> Iterator[Verdict]:
+    """Validate a job file, yielding one Verdict per non-blank line, in file order.
 
     model_override replaces every line's `model`; `check` is an extra per-line check
     (the prompt-versus-context check, which needs a tokenizer). Duplicate custom_ids
@@ -319,7 +338,8 @@ def validate_file(
     first_line: dict[str, int] = {}
     for number, raw in read_lines(path):
         if raw is None:
-            yield LineError(number, None, f"line is longer than {config.MAX_LINE_BYTES} bytes")
+            too_long = LineError(number, None, f"line is longer than {config.MAX_LINE_BYTES} bytes")
+            yield Verdict(number, None, (too_long,))
             continue
         if not raw.strip():
             continue
@@ -341,7 +361,23 @@ def validate_file(
                 problem = check(results[0])
                 if problem is not None:
                     results = [problem]
-        yield from results
+        if isinstance(results[0], JobLine):
+            yield Verdict(number, results[0])
+        else:
+            yield Verdict(number, None, tuple(results))
+
+
+def validate_file(
+    path: str,
+    model_override: str | None = None,
+    check: Callable[[JobLine], LineError | None] | None = None,
+) -> Iterator[JobLine | LineError]:
+    """`validate_lines`, flat: a JobLine or one or more LineErrors per non-blank line."""
+    for verdict in validate_lines(path, model_override, check):
+        if verdict.job is not None:
+            yield verdict.job
+        else:
+            yield from verdict.errors
 
 
 def validate(
@@ -352,14 +388,13 @@ def validate(
 ) -> tuple[int, int]:
     """Validate the whole file, reporting every problem through on_error; returns the
     (valid, invalid) line counts. Raises JobFileError when the file cannot be read."""
-    valid, invalid_lines = 0, set()
-    for item in validate_file(path, model_override, check):
-        if isinstance(item, LineError):
-            invalid_lines.add(item.line)
-            on_error(item)
-        else:
-            valid += 1
-    return valid, len(invalid_lines)
+    valid = invalid = 0
+    for verdict in validate_lines(path, model_override, check):
+        for error in verdict.errors:
+            on_error(error)
+        valid += verdict.job is not None
+        invalid += verdict.job is None
+    return valid, invalid
 
 
 def parse_line(number: int, raw: bytes, model_override: str | None = None) -> list:

@@ -89,7 +89,13 @@ JOBS_FIELD = "jobs"
 
 
 def line_key(custom_id: str | None, line: int) -> str:
+    """The key of a line: `c:<custom_id>`, or `l:<line>` when it has no usable custom_id."""
     return f"c:{custom_id}" if custom_id is not None else f"l:{line}"
+
+
+def custom_id_of(key: str) -> str | None:
+    """The custom_id a line key carries (`line_key`'s inverse), None for an `l:` key."""
+    return key[2:] if key.startswith("c:") else None
 
 
 def is_line_key(value: object) -> bool:

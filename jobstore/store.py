@@ -20,14 +20,15 @@ from __future__ import annotations
 import json
 import logging
 import time
-from typing import NamedTuple
+from collections.abc import Iterator
+from typing import Literal, NamedTuple
 
 from redis import Redis
 from redis.commands.core import Script
 
 from contract.stats import counters_of_line, from_fields, summary, to_fields
 from jobstore import config
-from jobstore.keys import Keys
+from jobstore.keys import Keys, custom_id_of
 from jobstore.lines import cached_tokens, dumps, error_line, pack
 
 log = logging.getLogger("specfleet.store")
@@ -379,8 +380,8 @@ def _oversized(
     try:
         line = int(json.loads(line_json)["id"].rsplit("-", 1)[1])
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
-        line = int(conn.zscore(keys.order(batch_id), line_key) or 0)
-    custom_id = line_key[2:] if line_key.startswith("c:") else None
+        line = line_number(conn, keys, batch_id, line_key)
+    custom_id = custom_id_of(line_key)
     message = (
         f"result line too large: {size} bytes, over the limit of {limit} bytes "
         "(SPEC_MAX_RESULT_BYTES on the workers): ask for less (max_tokens, metadata) "
@@ -390,6 +391,18 @@ def _oversized(
         "%s line %d (%s): %s; stored an error line instead", batch_id, line, custom_id, message
     )
     return dumps(error_line(batch_id, line, custom_id, "invalid_request", message))
+
+
+def line_number(conn: Redis, keys: Keys, batch_id: str, line_key: str, record=None) -> int:
+    """A line's number in the file that queued it: from its request record (JSON bytes)
+    when given one that says, else its number in the `order` zset (the latest file),
+    else 0."""
+    if record is not None:
+        try:
+            return int(json.loads(record)["line"])
+        except (ValueError, KeyError, TypeError):
+            pass
+    return int(conn.zscore(keys.order(batch_id), line_key) or 0)
 
 
 def classify(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> list[str]:
@@ -413,6 +426,59 @@ def count_unanswered(conn, keys: Keys, batch_id: str, line_keys: list[str]):
     """How many of these lines have neither a result nor an error line (on a pipeline:
     the count comes with its execute())."""
     return _COUNT_UNANSWERED(conn, [keys.requests(batch_id), keys.errors(batch_id)], line_keys)
+
+
+class StoredLine(NamedTuple):
+    """One line of a batch as `read_lines` finds it."""
+
+    key: str  # its line key
+    kind: Literal["result", "error", "pending"]  # pending: no result or error line yet
+    text: str  # the JSON line, unpacked ("" when pending or damaged)
+    hash_key: str  # the hash it is stored in ("" when pending)
+    damage: str | None = None  # why the stored bytes cannot be unpacked
+
+
+def read_lines(
+    conn: Redis,
+    keys: Keys,
+    batch_id: str,
+    order: Literal["input", "completion"] = "input",
+    chunk: int | None = None,
+) -> Iterator[StoredLine]:
+    """The batch's lines, `chunk` line keys a round trip (CHUNK_LINES when None), so
+    memory stays bounded: in input order (the `order` zset: every line, pending ones
+    too) or in completion order (the `done` list: the lines written so far). Stored
+    lines come unpacked; bytes that cannot be unpacked come with `damage` set."""
+    from jobstore.lines import unpack
+
+    step = chunk or config.CHUNK_LINES
+    results, errors = keys.results(batch_id), keys.errors(batch_id)
+    start = 0
+    while True:
+        if order == "input":
+            found = conn.zrange(keys.order(batch_id), start, start + step - 1)
+        else:
+            found = conn.lrange(keys.done(batch_id), start, start + step - 1)
+        if not found:
+            return
+        with conn.pipeline(transaction=False) as pipe:
+            pipe.hmget(results, found)
+            pipe.hmget(errors, found)
+            stored_results, stored_errors = pipe.execute()
+        for raw_key, result, error in zip(found, stored_results, stored_errors, strict=True):
+            key = raw_key.decode(errors="replace") if isinstance(raw_key, bytes) else raw_key
+            if result is None and error is None:
+                yield StoredLine(key, "pending", "", "")
+                continue
+            kind, raw, hash_key = (
+                ("result", result, results) if result is not None else ("error", error, errors)
+            )
+            try:
+                text, damage = unpack(raw, config.MAX_STORED_LINE_BYTES), None
+            except ValueError as exc:  # damaged compressed data, or not UTF-8
+                text, damage = "", str(exc)
+            yield StoredLine(key, kind, text, hash_key, damage)
+        start += step
 
 
 def drop_results(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> int:

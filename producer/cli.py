@@ -17,7 +17,11 @@ from jobstore import config
 from jobstore.connection import connect, warn_if_evicting
 from jobstore.keys import Keys, check_batch_id, new_batch_id
 from jobstore.options import fail, friendly_errors, redis_option
-from producer import batches
+from producer.cancel import cancel as cancel_batch
+from producer.collect import collect as collect_batch
+from producer.errors import BatchError, CorruptLines
+from producer.retry import retry as retry_batch
+from producer.status import status as batch_status
 from producer.submit import SubmitError, enqueue_file
 
 # producer.spool (pydantic), producer.tokencount and reporting.progress (rich) are
@@ -72,7 +76,7 @@ def _follow_hint(batch_id: str, redis_url: str | None) -> str:
     metavar="FILE",
     help="With --wait: write error lines here (default: into -o).",
 )
-@friendly_errors("spec-submit", batches.BatchError, SubmitError)
+@friendly_errors("spec-submit", BatchError, SubmitError)
 def submit(
     jobs_file,
     redis_url,
@@ -155,7 +159,7 @@ def submit(
         return
     final = _watch(conn, keys, batch_id, sys.stderr, "spec-submit", redis_url)
     if output:
-        counts = batches.collect(conn, keys, batch_id, output, errors_path)
+        counts = collect_batch(conn, keys, batch_id, output, errors_path)
         _say(_collected(counts, output, errors_path))
     counts = final["request_counts"]
     _say(
@@ -172,7 +176,7 @@ def _watch(conn, keys, batch_id: str, stream, name: str, redis_url: str | None) 
     try:
         with shown:
             return progress.follow(
-                lambda: batches.status(conn, keys, batch_id), shown, config.WAIT_POLL_S
+                lambda: batch_status(conn, keys, batch_id), shown, config.WAIT_POLL_S
             )
     except KeyboardInterrupt:
         _say(f"{name}: stopped watching; batch {batch_id} goes on")
@@ -200,7 +204,7 @@ def _collected(counts: dict, output: str, errors_path: str | None) -> str:
     is_flag=True,
     help="Follow the batch until it is finished (live on a terminal, else a line at intervals).",
 )
-@friendly_errors("spec-status", batches.BatchError)
+@friendly_errors("spec-status", BatchError)
 def status(batch_id, redis_url, as_json, watch):
     """Show a batch's progress: counts, throughput, acceptance, ETA, workers, audit.
 
@@ -216,7 +220,7 @@ def status(batch_id, redis_url, as_json, watch):
     if watch:
         _watch(conn, keys, batch_id, sys.stdout, "spec-status", redis_url)
         return
-    state = batches.status(conn, keys, batch_id)
+    state = batch_status(conn, keys, batch_id)
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return
@@ -270,13 +274,13 @@ def status(batch_id, redis_url, as_json, watch):
     help="Delete the batch from Redis once written (only when every line is final: "
     "nothing queued or running).",
 )
-@friendly_errors("spec-collect", batches.BatchError)
+@friendly_errors("spec-collect", BatchError)
 def collect(batch_id, redis_url, output, errors_path, order, delete):
     """Write a batch's result lines (and error lines) to files."""
     conn = connect(redis_url)
     try:
-        counts = batches.collect(conn, Keys.default(), batch_id, output, errors_path, order, delete)
-    except batches.CorruptLines as exc:
+        counts = collect_batch(conn, Keys.default(), batch_id, output, errors_path, order, delete)
+    except CorruptLines as exc:
         _say(_collected(exc.counts, output, errors_path))
         raise
     _say(_collected(counts, output, errors_path) + ("; deleted the batch" if delete else ""))
@@ -285,23 +289,23 @@ def collect(batch_id, redis_url, output, errors_path, order, delete):
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
 @redis_option
-@friendly_errors("spec-retry", batches.BatchError)
+@friendly_errors("spec-retry", BatchError)
 def retry(batch_id, redis_url):
     """Queue again the lines of a batch that ended in an error line."""
     conn = connect(redis_url)
-    n = batches.retry(conn, Keys.default(), batch_id)
+    n = retry_batch(conn, Keys.default(), batch_id)
     _say(f"batch {batch_id}: re-queued {n} failed line(s)")
 
 
 @click.command()
 @click.argument("batch_id", metavar="BATCH")
 @redis_option
-@friendly_errors("spec-cancel", batches.BatchError)
+@friendly_errors("spec-cancel", BatchError)
 def cancel(batch_id, redis_url):
     """Cancel a batch: waiting lines are removed (error code `cancelled`); running ones finish."""
     conn = connect(redis_url)
     keys = Keys.default()
-    n = batches.cancel(conn, keys, batch_id)
-    running = batches.status(conn, keys, batch_id)["request_counts"]["running"]
+    n = cancel_batch(conn, keys, batch_id)
+    running = batch_status(conn, keys, batch_id)["request_counts"]["running"]
     note = " (a running job's lines not started yet are cancelled instead)" if running else ""
     _say(f"batch {batch_id}: cancelled {n} waiting line(s); {running} running will finish{note}")

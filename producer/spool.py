@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from jobstore import config
-from jobstore.keys import line_key
+from jobstore.keys import custom_id_of, line_key
 from jobstore.lines import dumps
 
 if TYPE_CHECKING:
-    from jobstore.jobfile import JobLine, LineError
+    from jobstore.jobfile import JobLine, LineError, Verdict
 
 
 @dataclass(frozen=True)
@@ -70,11 +70,10 @@ class Rejected:
     message: str
 
     @classmethod
-    def of(cls, errors: list[LineError]) -> Rejected:
-        """One line's problems (all of the same line)."""
-        first = errors[0]
-        message = "; ".join(f"{e.field}: {e.message}" if e.field else e.message for e in errors)
-        return cls(line_key(first.custom_id, first.line), first.line, first.custom_id, message)
+    def of(cls, verdict: Verdict) -> Rejected:
+        """A line validation rejected."""
+        custom_id = verdict.custom_id
+        return cls(line_key(custom_id, verdict.line), verdict.line, custom_id, verdict.message())
 
 
 class Spool:
@@ -121,7 +120,7 @@ class Spool:
                 continue
             number, timeout, model, digest, key, record = text.rstrip("\n").split("\t", 5)
             key = json.loads(key)
-            yield Queued(key, int(number), key[2:], model, int(timeout), record, digest)
+            yield Queued(key, int(number), custom_id_of(key), model, int(timeout), record, digest)
 
     @property
     def lines(self) -> int:
@@ -138,25 +137,17 @@ def spool_file(
     """Validate the whole file (every problem through on_error) into a new Spool; a
     line without a model runs on `default_model`. Raises JobFileError when the file
     cannot be read (the spool is closed then)."""
-    from jobstore.jobfile import LineError, validate_file  # pydantic: only to submit
+    from jobstore.jobfile import validate_lines  # pydantic: only to submit
 
     spool = Spool()
     try:
-        current: list[LineError] = []  # the problems of the line being read
-        for item in validate_file(path, model_override, check):
-            if isinstance(item, LineError):
-                on_error(item)
-                if current and current[0].line != item.line:
-                    spool.add(Rejected.of(current))
-                    current = []
-                current.append(item)
-                continue
-            if current:
-                spool.add(Rejected.of(current))
-                current = []
-            spool.add(Queued.of(item, default_model))
-        if current:
-            spool.add(Rejected.of(current))
+        for verdict in validate_lines(path, model_override, check):
+            for error in verdict.errors:
+                on_error(error)
+            if verdict.job is None:
+                spool.add(Rejected.of(verdict))
+            else:
+                spool.add(Queued.of(verdict.job, default_model))
     except BaseException:
         spool.close()
         raise

@@ -133,7 +133,7 @@ def read_batch(
     key of the wrong type)."""
     import redis
 
-    from jobstore.store import record_problem, wrong_key_type
+    from jobstore.store import read_lines, record_problem, wrong_key_type
 
     try:
         problem = wrong_key_type(conn, keys, batch_id)
@@ -142,37 +142,28 @@ def read_batch(
         problem = record_problem(conn, keys, batch_id)
         if problem:
             raise ReportError(problem)
-        start = 0
-        while True:
-            line_keys = conn.lrange(keys.done(batch_id), start, start + chunk - 1)
-            if not line_keys:
-                return
-            with conn.pipeline(transaction=False) as pipe:
-                pipe.hmget(keys.results(batch_id), line_keys)
-                pipe.hmget(keys.errors(batch_id), line_keys)
-                results, errors = pipe.execute()
-            for line_key, result, error in zip(line_keys, results, errors, strict=True):
-                raw, key = (result, keys.results) if result is not None else (error, keys.errors)
-                if raw is not None:
-                    yield _stored_line(raw, key(batch_id), line_key, warn)
-            start += chunk
+        for line in read_lines(conn, keys, batch_id, "completion", chunk):
+            if line.kind != "pending":
+                yield _stored_line(line, warn)
     except redis.exceptions.ResponseError as exc:
         raise ReportError(f"batch {batch_id}: {exc}") from exc
 
 
-def _stored_line(raw, key: str, line_key, warn: Callable[[str], None] | None) -> Line:
-    from jobstore import config
-    from jobstore.lines import unpack
+def _stored_line(line, warn: Callable[[str], None] | None) -> Line:
+    """A stored line (jobstore.store.StoredLine) as a Line; a damaged one as an
+    `internal_error` Line, told to `warn`."""
+    from jobstore.keys import custom_id_of
 
-    field = line_key.decode(errors="replace") if isinstance(line_key, bytes) else line_key
-    try:
-        return parse_line(json.loads(unpack(raw, config.MAX_STORED_LINE_BYTES)))
-    except (ValueError, RecursionError, ReportError) as exc:  # ValueError: not JSON, not UTF-8
-        problem = f"key {key} field {field}: damaged stored line ({exc})"
+    problem = line.damage
+    if problem is None:
+        try:
+            return parse_line(json.loads(line.text))
+        except (ValueError, RecursionError, ReportError) as exc:  # ValueError: not JSON
+            problem = str(exc)
+    problem = f"key {line.hash_key} field {line.key}: damaged stored line ({problem})"
     if warn:
         warn(f"{problem}; counted as an internal_error line")
-    custom_id = field[2:] if field.startswith("c:") else None
-    return Line(custom_id, False, error_code="internal_error", error_message=problem)
+    return Line(custom_id_of(line.key), False, error_code="internal_error", error_message=problem)
 
 
 # --- statistics -----------------------------------------------------------------------

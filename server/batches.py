@@ -4,9 +4,9 @@ Creating one records its OpenAI fields in Redis (`P:batch:B:api`, listed in
 `P:api-batches`) and validates the uploaded file in a thread with spec-submit's own
 code (producer.spool with the context check, then producer.submit.enqueue_file), so a
 batch made here is one that spec-status, spec-collect and spec-report know. Its status
-is producer.batches.status mapped onto OpenAI's life cycle; cancelling is spec-cancel's
-producer.batches.cancel; output and error files are the lines spec-collect writes
-(producer.batches.stored_lines), streamed out of Redis.
+is producer.status.status mapped onto OpenAI's life cycle; cancelling is spec-cancel's
+producer.cancel.cancel; output and error files are the lines spec-collect writes
+(producer.collect.stored_lines), streamed out of Redis.
 
 The record's `state` is what the server decided: `validating` (the file is being read
 and queued), `failed` (validation refused it), `submitted` (queued: from here on the
@@ -29,8 +29,11 @@ from redis import Redis
 from jobstore import config
 from jobstore.jobfile import CHAT_URL, COMPLETION_URL, JobFileError, JobLine, LineError
 from jobstore.keys import Keys, new_batch_id
-from producer import batches as fleet
+from producer.cancel import cancel as cancel_batch
+from producer.collect import stored_lines
 from producer.spool import spool_file
+from producer.status import TERMINAL
+from producer.status import status as batch_status
 from producer.submit import SubmitError, enqueue_file
 from producer.tokencount import ContextChecker
 from server.files import FileStore
@@ -239,7 +242,7 @@ class BatchService:
                 ],
             )
         if self.conn.hget(key, "state") == b"submitted" and self.conn.hget(key, "cancelling_at"):
-            fleet.cancel(self.conn, self.keys, batch_id)  # cancelled while being queued
+            cancel_batch(self.conn, self.keys, batch_id)  # cancelled while being queued
 
     def _validate_and_queue(self, batch_id: str) -> None:
         rec = self._record(batch_id)
@@ -320,11 +323,11 @@ class BatchService:
         if time.time() < float(rec["expires_at"]):
             return rec
         if rec["state"] == "submitted":
-            state = fleet.status(self.conn, self.keys, batch_id)
+            state = batch_status(self.conn, self.keys, batch_id)
             c = state["request_counts"]
             if c["completed"] + c["failed"] >= c["total"]:
                 return rec  # finished in time
-            fleet.cancel(self.conn, self.keys, batch_id)
+            cancel_batch(self.conn, self.keys, batch_id)
         elif rec["state"] != "validating":
             return rec
         self._set_state(batch_id, "expired", "expired_at")
@@ -378,7 +381,7 @@ class BatchService:
             raise APIError(
                 404, f"no batch with id {batch_id!r} (its result TTL passed)", "batch_id"
             )
-        state = fleet.status(self.conn, self.keys, batch_id)
+        state = batch_status(self.conn, self.keys, batch_id)
         c = state["request_counts"]
         obj["request_counts"] = {k: c[k] for k in ("total", "completed", "failed")}
         done = c["completed"] + c["failed"] >= c["total"] and state["status"] != "queued"
@@ -389,7 +392,7 @@ class BatchService:
             obj["status"] = "cancelled" if done else "cancelling"
             if done:
                 self.conn.hsetnx(key, "cancelled_at", f"{time.time():.3f}")
-        elif state["status"] in fleet.TERMINAL:
+        elif state["status"] in TERMINAL:
             obj["status"] = "completed"
             finished = state["completed_at"] or int(time.time())
             self.conn.hsetnx(key, "finalizing_at", f"{finished:.3f}")
@@ -444,7 +447,7 @@ class BatchService:
         rec = self._record(batch_id)
         self.conn.hsetnx(self.keys.api_batch(batch_id), "cancelling_at", f"{time.time():.3f}")
         if rec["state"] == "submitted":
-            fleet.cancel(self.conn, self.keys, batch_id)
+            cancel_batch(self.conn, self.keys, batch_id)
         return self.retrieve(batch_id)
 
     # --- output files ------------------------------------------------------------------
@@ -494,7 +497,7 @@ class BatchService:
         """The file's content in pieces of up to CHUNK_LINES lines, as spec-collect
         writes them (results, or error lines), in input order."""
         piece: list[str] = []
-        for kind, text, _ in fleet.stored_lines(self.conn, self.keys, batch_id):
+        for kind, text, _ in stored_lines(self.conn, self.keys, batch_id):
             if kind == which:
                 piece.append(text)
                 if len(piece) >= config.CHUNK_LINES:

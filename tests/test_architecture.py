@@ -407,7 +407,7 @@ def test_a_cycle_fails(tmp_path):
     [
         ("engine.batch", "jobstore.store", "engine -> contract only"),
         ("engine.types", "jobstore", "engine -> contract only"),
-        ("engine.batch", "producer.batches", "engine -> contract only"),
+        ("engine.batch", "producer.status", "engine -> contract only"),
         ("contract.stats", "jobstore.keys", "contract -> nothing"),
         ("contract.stats", "jobstore.keys", "engine -> contract only"),  # engine.types reaches it
         ("contract.limits", "engine.core", "contract -> nothing"),

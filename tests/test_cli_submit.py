@@ -283,7 +283,7 @@ def test_unknown_batch_is_one_clear_line(redis_env, tmp_path):
 
 def test_the_producer_never_imports_mlx_or_the_engine():
     code = (
-        "import sys, producer.cli, producer.submit, producer.batches, producer.tokencount\n"
+        "import sys, producer.cli, producer.submit, producer.collect, producer.tokencount\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('mlx', 'mlx_lm', 'engine', 'worker'))\n"
         "assert not bad, bad\n"
     )

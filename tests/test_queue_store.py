@@ -9,7 +9,9 @@ from click.testing import CliRunner
 
 from jobstore import config, store
 from jobstore.lines import dumps, error_line
-from producer import batches, cli
+from producer import cli
+from producer.collect import collect
+from producer.status import status
 
 
 def _submit_lines(redis_env, tmp_path, n: int) -> str:
@@ -64,7 +66,7 @@ def test_a_line_is_stored_once_with_its_counters_even_if_written_twice(redis_env
     assert "failed" not in meta and "completed_at" not in meta
     assert conn.lrange(keys.done(batch), 0, -1) == [b"c:r0"]
     assert conn.hget(keys.worker("w1"), "completed") == b"1" and not conn.exists(keys.worker("w2"))
-    workers = batches.status(conn, keys, batch)["workers"]
+    workers = status(conn, keys, batch)["workers"]
     assert workers == [
         {
             "name": "w1",
@@ -80,7 +82,7 @@ def test_a_line_is_stored_once_with_its_counters_even_if_written_twice(redis_env
     ]
 
     assert store.store_line(conn, keys, batch, "c:r1", failed, ok=False, worker="w2")
-    state = batches.status(conn, keys, batch)
+    state = status(conn, keys, batch)
     assert state["status"] == "completed" and state["completed_at"] is not None
     assert state["request_counts"] == {
         "total": 2,
@@ -118,7 +120,7 @@ def test_collect_streams_in_chunks_in_input_or_completion_order(redis_env, tmp_p
     for i in finish_order:
         store.store_line(conn, keys, batch, f"c:r{i}", _fake_result(batch, i), ok=True)
     out = tmp_path / "out.jsonl"
-    counts = batches.collect(conn, keys, batch, str(out))
+    counts = collect(conn, keys, batch, str(out))
     assert counts == {"results": 5, "errors": 0, "pending": 3}
     assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [
         "r0",
@@ -127,7 +129,7 @@ def test_collect_streams_in_chunks_in_input_or_completion_order(redis_env, tmp_p
         "r5",
         "r7",
     ]
-    batches.collect(conn, keys, batch, str(out), order="completion")
+    collect(conn, keys, batch, str(out), order="completion")
     assert [json.loads(x)["custom_id"] for x in out.read_text().splitlines()] == [
         f"r{i}" for i in finish_order
     ]

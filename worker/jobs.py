@@ -34,7 +34,7 @@ from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
 
 from jobstore import config, store
 from jobstore.jobfile import JobLine
-from jobstore.keys import Keys
+from jobstore.keys import Keys, custom_id_of
 from jobstore.lines import dumps, error_line
 from worker.execute import Outcome, context_overflow, execute, failure
 from worker.storing import LineStore
@@ -195,7 +195,7 @@ def _unreadable(
     to be read: `code` invalid_request): written at once (a retry would read the same
     bytes)."""
     number = int(ctx.conn.zscore(ctx.keys.order(batch_id), line_key) or 0)
-    custom_id = line_key[2:] if line_key.startswith("c:") else None
+    custom_id = custom_id_of(line_key)
     message = (
         f"the stored request cannot be read ({ctx.keys.requests(batch_id)} field "
         f"{line_key!r}: {reason[:200]}); it was not run"
@@ -324,7 +324,7 @@ def on_job_failure(job, connection: Redis, exc_type, exc_value, traceback) -> No
             number = int(json.loads(record)["line"])
         except (ValueError, KeyError, TypeError):
             number = int(connection.zscore(keys.order(batch_id), key) or 0)
-        custom_id = key[2:] if key.startswith("c:") else None
+        custom_id = custom_id_of(key)
         line_code, line_message = own.get(key, (code, message))
         store.store_line(
             connection,

@@ -17,6 +17,7 @@ import threading
 import time
 
 from jobstore import config, store
+from jobstore.keys import custom_id_of
 from jobstore.lines import dumps
 from worker.execute import Outcome
 
@@ -112,7 +113,7 @@ class LineStore:
                 self._gone.add(batch_id)
                 continue
             for (entry, number, said), wrote in zip(lines, done.written, strict=True):
-                custom_id = entry.key[2:] if entry.key.startswith("c:") else None
+                custom_id = custom_id_of(entry.key)
                 log.info(
                     "%s line %d (%s): %s%s",
                     batch_id,
