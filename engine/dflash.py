@@ -36,6 +36,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .dflash2 import CODEBOOKS, CandidateSelector, GroupedDynamicConv, chain_noise
+from .drafters import DFlashProposer
 from .types import ModelLoadError
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -464,6 +465,10 @@ class DFlashDrafter:
     def new_state(self, batch: int = 0) -> DFlashState:
         """An empty batched context with `batch` rows."""
         return DFlashState(self, batch)
+
+    def proposer(self, target_vocab: int) -> DFlashProposer:
+        """The proposer that drafts with this drafter (one block pass per step)."""
+        return DFlashProposer(self, target_vocab)
 
     def info(self) -> dict:
         """Facts for logs and `spec-doctor`."""
