@@ -143,8 +143,6 @@ def measure_pass_costs(model, sizes=PASS_SIZES, reps: int = 2, context: int = 32
 
 def measure_block_costs(drafter, target, sizes=(1, 2, 4, 8, 16, 32), reps: int = 2) -> PassCosts:
     """Time one block drafter pass for b rows, each with a short context of features."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     with drafter.capture(target) as cap:
         target(mx.array([[1] * 32]), cache=make_prompt_cache(target))
         features = cap.features
@@ -340,16 +338,14 @@ class DraftController:
         on_gpu = mx.default_device() == mx.gpu
         t_params = pair.info()["target_parameters"]
         d_params = pair.info()["draft_parameters"]
-        dflash = getattr(pair, "dflash", None)
+        dflash = pair.dflash  # a drafter reading the target's hidden states, or None
         if dflash is not None:
             d_params = dflash.info().get("parameters", t_params // 10)
         static = static_costs(t_params, d_params, on_gpu)
         if calibrate:
             target = measure_pass_costs(pair.target)
-            if dflash is not None and hasattr(dflash, "measure_costs"):  # an MTP head
+            if dflash is not None:
                 draft = dflash.measure_costs(pair.target)
-            elif dflash is not None:
-                draft = measure_block_costs(dflash, pair.target)
             else:
                 draft = (
                     measure_pass_costs(pair.draft, sizes=PASS_SIZES[:10]) if pair.draft else None
@@ -362,7 +358,7 @@ class DraftController:
             target=target,
             draft=draft,
             static=static,
-            block=dflash is not None and getattr(dflash, "block", True),
+            block=dflash is not None and dflash.block,
             calibrated=calibrate,
         )
 
