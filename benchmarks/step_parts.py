@@ -20,15 +20,16 @@ from pathlib import Path
 import engine  # first: loads OpenBLAS before anything imports mlx
 
 # isort: split
-from engine import adaptive, batch, drafters
+from engine import adaptive, batch, drafters, policy
 from engine.loading import DEMO_DRAFT, DEMO_TARGET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import prompts as prompt_sets  # noqa: E402
 
-PARTS = [(batch.BatchDecoder, n) for n in ("step", "_choose", "_draft", "_verify", "_finish")]
-PARTS += [(batch.BatchDecoder, "_observe"), (drafters.ModelProposer, "commit")]
+PARTS = [(batch.BatchDecoder, "step"), (policy.DraftPolicy, "choose")]
+PARTS += [(batch.BatchDecoder, n) for n in ("_draft", "_verify", "_finish")]
+PARTS += [(policy.DraftPolicy, "observe"), (drafters.ModelProposer, "commit")]
 PARTS += [(adaptive.DraftController, n) for n in ("choose_batch_k", "observe_realized")]
 
 

@@ -17,6 +17,10 @@ between measured points are interpolated.
 Greedy requests use these live costs: their output cannot depend on K. Sampled
 requests follow a static, per-request schedule (`DraftPlan`) fixed by the pair and
 the device, so the output for a given seed depends only on the request itself.
+
+The tuning constants are engine/policy.py's, each with a line on what it does; the
+policy there asks `choose_batch_k` for the greedy rows' length and `DraftPlan.choose`
+for a sampled row's.
 """
 
 from __future__ import annotations
@@ -29,35 +33,29 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-MAX_AUTO_DRAFT = 8
-# Lookup drafts cost no draft passes, so they may run longer than model drafts.
-LOOKUP_MAX_DRAFT = 12
-PRIOR_ACCEPTANCE = 0.6
-PRIOR_WEIGHT = 4.0
-DECAY = 0.9
-EMA = 0.1
-SHAPE_EMA = 0.05
-LIVE_EMA = 0.2  # measured seconds of one batch shape
-PROBE_FIRST, PROBE_MAX = 8, 256
-# Speculation must beat plain decoding by this much in the model before it is used:
-# a step the model over-rates costs real time, one it under-rates costs nothing.
-MARGIN = 0.03
-# The realized-speed guard: once this many plain and speculative steps of one batch size
-# (sizes grouped by powers of two) have run, speculation there must have cost no more
-# wall-clock seconds per emitted token than plain decoding (within MARGIN), or it is
-# stopped until a probe says otherwise.
-GUARD_MIN_STEPS = 8
-GUARD_EMA = 0.1
-# A K = 0 decision is reused without pricing for this many steps while the caller's
-# summary of the rows (`key` of choose_batch_k) stays the same: pricing costs about a
-# tenth of a small model's decode step, and only the slow live-cost drift is skipped.
-SETTLED_STEPS = 16
-# A probe that does not make drafting pay waits at least long enough that its extra
-# cost (a wider target pass, the draft's passes) stays under this share of the steps.
-PROBE_BUDGET = 0.01
+from .policy import (
+    DECAY,
+    EMA,
+    GUARD_EMA,
+    GUARD_MIN_STEPS,
+    LIVE_EMA,
+    LOOKUP_MAX_DRAFT,
+    MARGIN,
+    MAX_AUTO_DRAFT,
+    PASS_SIZES,
+    PRIOR_ACCEPTANCE,
+    PRIOR_WEIGHT,
+    PROBE_BUDGET,
+    PROBE_FIRST,
+    PROBE_MAX,
+    SETTLED_STEPS,
+    SHAPE_EMA,
+    AutoRow,
+    FixedRow,
+)
+
 # Acceptance of lookup drafts taken inside a model-drafted request (key in the controller).
 HYBRID_LOOKUP = "model+lookup"
-PASS_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320)
 
 
 def _ema(table: dict, key, seconds: float) -> None:
@@ -145,8 +143,6 @@ def measure_pass_costs(model, sizes=PASS_SIZES, reps: int = 2, context: int = 32
 
 def measure_block_costs(drafter, target, sizes=(1, 2, 4, 8, 16, 32), reps: int = 2) -> PassCosts:
     """Time one block drafter pass for b rows, each with a short context of features."""
-    from mlx_lm.models.cache import make_prompt_cache
-
     with drafter.capture(target) as cap:
         target(mx.array([[1] * 32]), cache=make_prompt_cache(target))
         features = cap.features
@@ -251,24 +247,6 @@ class DraftPlan:
             self.probe_interval = PROBE_FIRST if ok else min(self.probe_interval * 2, PROBE_MAX)
 
 
-@dataclass(frozen=True)
-class AutoRow:
-    """A greedy "auto" row as the batch chooser sees it for one step."""
-
-    acceptance: float
-    cap: int  # most drafts this row can take (its proposal length, budget, drafter cap)
-    free: bool  # its drafts need no draft-model pass (prompt lookup)
-
-
-@dataclass(frozen=True)
-class FixedRow:
-    """A row whose draft length is already fixed this step (a number, or a sampled plan)."""
-
-    k: int
-    acceptance: float
-    model: bool  # drafted by the draft model
-
-
 @dataclass
 class _RunningMean:
     """Running means of seconds and emitted tokens over steps: equal weights over the
@@ -360,16 +338,14 @@ class DraftController:
         on_gpu = mx.default_device() == mx.gpu
         t_params = pair.info()["target_parameters"]
         d_params = pair.info()["draft_parameters"]
-        dflash = getattr(pair, "dflash", None)
+        dflash = pair.dflash  # a drafter reading the target's hidden states, or None
         if dflash is not None:
             d_params = dflash.info().get("parameters", t_params // 10)
         static = static_costs(t_params, d_params, on_gpu)
         if calibrate:
             target = measure_pass_costs(pair.target)
-            if dflash is not None and hasattr(dflash, "measure_costs"):  # an MTP head
+            if dflash is not None:
                 draft = dflash.measure_costs(pair.target)
-            elif dflash is not None:
-                draft = measure_block_costs(dflash, pair.target)
             else:
                 draft = (
                     measure_pass_costs(pair.draft, sizes=PASS_SIZES[:10]) if pair.draft else None
@@ -382,7 +358,7 @@ class DraftController:
             target=target,
             draft=draft,
             static=static,
-            block=dflash is not None and getattr(dflash, "block", True),
+            block=dflash is not None and dflash.block,
             calibrated=calibrate,
         )
 

@@ -13,38 +13,36 @@ Every row's output is what it would be alone: greedy rows equal target-only
 decoding, and sampled rows use the same acceptance rule and the same
 (seed, position)-keyed randomness wherever they run.
 
-Draft lengths: a row with a number drafts that many; a sampled "auto" row follows
-its own fixed schedule (adaptive.DraftPlan), so its output does not depend on the
-batch; greedy "auto" rows share one length that the controller picks for the
-whole batch from measured pass costs (adaptive.DraftController.choose_batch_k),
-K = 0 whenever speculation does not pay. A greedy "auto" row drafted by the model
-takes free prompt-lookup drafts instead on steps where its text repeats itself.
+Draft lengths are the policy's (policy.DraftPolicy: `choose` before a step,
+`observe` after); this module is the mechanism. Model drafts come from the pair's
+proposer (interfaces.Proposer, made by drafters.new_proposer); `decoder_class` is the
+one place a pair's decoder is picked.
 """
 
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from contract.limits import MAX_DRAFT_TOKENS
+
 from . import core, sampling
-from .adaptive import MAX_AUTO_DRAFT, AutoRow, FixedRow
-from .core import MAX_DRAFT_TOKENS, Step
-from .drafters import LookupIndex, ModelProposer, prefill_rows
+from .core import Step
+from .drafters import LookupIndex, new_proposer, prefill_rows, prefix_of
 from .families import make_ragged_cache
-from .heads import feature_proposer
+from .interfaces import Decoder, Joining
+from .plain import PlainDecoder
+from .policy import HYBRID_MIN_NGRAM, Choice, DraftPolicy, Outcome
 from .prefix import prefill_cached
 
+# Squeeze holes out of a ragged cache once more than this share of its positions is waste.
 COMPACT_WASTE = 0.5
-# A hybrid row drafts by lookup when its last HYBRID_MIN_NGRAM tokens occurred before:
-# single-token matches are too often chance (measured on code: 2.1 tokens accepted per
-# 1-gram proposal against 2.9 per 2-gram one).
-HYBRID_MIN_NGRAM = 2
-# Each change of a decoder's rows takes a new number: the controller's reused K = 0
-# decision (choose_batch_k's key) never outlives the rows it was priced for.
-_EPOCHS = itertools.count()
+#: What a request for drafter "model" is told where the pair has no draft model.
+NO_DRAFT_MODEL = (
+    "drafter: 'model' needs a draft model and this engine has none; use 'lookup' or 'none'"
+)
 
 
 @dataclass
@@ -70,33 +68,18 @@ class _Row:
         return max(0, min(MAX_DRAFT_TOKENS, self.max_tokens - self.generated - 1))
 
 
-@dataclass
-class _Choice:
-    """A row's draft for this step: how many tokens, from where, and the tokens of a
-    lookup proposal (model drafts come later, in one batched pass)."""
-
-    k: int = 0
-    source: str = "none"  # "model", "lookup" or "none"
-    tokens: list | None = None
-
-
-class BatchDecoder:
+class BatchDecoder(Decoder):
     """Decode one or many requests together. `add` rows, call `step` until they finish."""
+
+    speculative = True
 
     def __init__(self, pair):
         self.pair = pair
         self.rows: list[_Row] = []
         self.t_rows, self.t_cache = make_ragged_cache(pair.target, 0)
-        self.proposer = None
-        if getattr(pair, "dflash", None) is not None:
-            self.proposer = feature_proposer(pair.dflash, pair.target_vocab)
-        elif pair.draft is not None:
-            self.proposer = ModelProposer(
-                pair.draft, pair.draft_vocab, pair.target_vocab, prefix=_prefix(pair, "draft")
-            )
+        self.proposer = new_proposer(pair)
         self._joining: list[tuple[_Row, list[int]]] = []  # added, not yet prefilled
-        self.controller = pair.controller
-        self._epoch = next(_EPOCHS)
+        self.policy = DraftPolicy(pair.controller, self.proposer)
 
     def __len__(self) -> int:
         return len(self.rows) + len(self._joining)
@@ -119,45 +102,43 @@ class BatchDecoder:
         if not prompt_ids:
             raise core.InvalidRequestError("the prompt is empty: give at least one token")
         if drafter == "model" and self.proposer is None:  # no draft model, no DFlash
-            raise core.InvalidRequestError(
-                "drafter 'model' needs a draft model, but this worker has none; "
-                "use drafter 'lookup' or 'none'"
-            )
+            raise core.InvalidRequestError(NO_DRAFT_MODEL)
         fixed = None if num_draft_tokens == "auto" else int(num_draft_tokens)
         row = _Row(key, params, seed, drafter, fixed, plan, max_tokens, prompt_ids[-1])
         if drafter == "lookup":
             row.lookup = LookupIndex(list(prompt_ids))
-        elif drafter == "model" and row.greedy_auto and getattr(plan, "lookup", None):
+        elif drafter == "model" and row.greedy_auto and plan.lookup:
             row.lookup = LookupIndex(list(prompt_ids), min_ngram=HYBRID_MIN_NGRAM)
         self._joining.append((row, list(prompt_ids)))
 
     def _admit_joining(self) -> None:
         joining, self._joining = self._joining, []
         prompts = [ids[:-1] for _, ids in joining]
+        context = None
         if self.proposer is not None and self.proposer.needs_features:
-            # A block drafter reads the target's features: every row, drafted or not,
-            # so its context rows stay the decoder's rows.
-            state = self.proposer.drafter.new_state(len(joining))
+            # The drafter reads the target's features: every row's, drafted or not, so
+            # its context rows stay the decoder's rows.
+            context = self.proposer.new_context(len(joining))
             with self.proposer.capture(self.pair.target) as cap:
                 rows, _ = prefill_rows(
-                    self.pair.target, prompts, lambda keep: state.extend(cap.features, keep)
+                    self.pair.target, prompts, lambda keep: context.extend(cap.features, keep)
                 )
-            self.proposer.admit_state(state, [(r.key, r.params, r.seed, ids) for r, ids in joining])
         else:
-            cache = _prefix(self.pair, "target")
+            cache = prefix_of(self.pair, "target")
             if cache is not None:
                 rows, _, reused = prefill_cached(self.pair.target, prompts, cache)
                 for (row, _), n in zip(joining, reused, strict=True):
                     row.cached_tokens = n
             else:
                 rows, _ = prefill_rows(self.pair.target, prompts)
-            if self.proposer is not None:
-                self.proposer.admit(
-                    [(r.key, ids, r.params, r.seed) for r, ids in joining if r.drafter == "model"]
-                )
+        if self.proposer is not None:
+            self.proposer.admit(
+                [Joining(r.key, ids, r.params, r.seed, r.drafter == "model") for r, ids in joining],
+                context,
+            )
         self.t_rows.append(rows)
         self.rows += [row for row, _ in joining]
-        self._epoch = next(_EPOCHS)
+        self.policy.rows_changed()
 
     def remove(self, key) -> None:
         """Drop a finished (or cancelled) row."""
@@ -167,111 +148,9 @@ class BatchDecoder:
             return
         self.t_rows.select(keep)
         self.rows = [self.rows[i] for i in keep]
-        self._epoch = next(_EPOCHS)
+        self.policy.rows_changed()
         if self.proposer is not None:
             self.proposer.remove({key})
-
-    # -- choosing drafts ----------------------------------------------------------
-    def _choose(self) -> list[_Choice]:
-        choices = [_Choice() for _ in self.rows]
-        auto, fixed, auto_rows = [], [], []
-        # Rows the draft model would run over if it drafted (cold ones included).
-        drafted_rows = (
-            len(self.proposer.members) + len(getattr(self.proposer, "cold", ()))
-            if self.proposer is not None
-            else 0
-        )
-        for row, c in zip(self.rows, choices, strict=True):
-            budget = row.budget()
-            if row.drafter == "none" or budget == 0:
-                continue
-            if row.greedy_auto:
-                free = self._free_draft(row, budget)
-                if free:
-                    c.tokens, c.source = free, "lookup"
-                    a = (
-                        row.plan.lookup.acceptance.rate
-                        if row.plan.lookup
-                        else row.plan.acceptance.rate
-                    )
-                    auto.append(AutoRow(a, len(free), free=True))
-                else:
-                    c.source = "model"
-                    auto.append(
-                        AutoRow(row.plan.acceptance.rate, min(budget, MAX_AUTO_DRAFT), False)
-                    )
-                auto_rows.append((row, c))
-                continue
-            k = row.fixed_k if row.fixed_k is not None else row.plan.choose()
-            k = min(k, budget, self._model_cap(fixed=True) if row.drafter == "model" else k)
-            c.k, c.source = k, row.drafter if k else "none"
-            if k and row.drafter == "lookup":
-                c.tokens = row.lookup.propose(k)
-                c.k = len(c.tokens)
-                c.source = "lookup" if c.k else "none"
-            rate = row.plan.acceptance.rate if row.plan is not None else 0.6
-            fixed.append(FixedRow(c.k, rate, row.drafter == "model"))
-        if auto:
-            # What a reused K = 0 depends on: the rows and their acceptance (constant
-            # while nothing drafts), not the caps of this step's drafts (see choose_batch_k).
-            held = tuple(r.plan.acceptance.rate for r, _ in auto_rows)
-            key = (self._epoch, drafted_rows, held, tuple(fixed))
-            k = self.controller.choose_batch_k(
-                auto, fixed, drafted_rows, lambda: self._cold_cost(auto_rows), key=key
-            )
-            probe = self._probe_row(auto_rows) if self.controller.probing else None
-            for (_, c), a in zip(auto_rows, auto, strict=True):
-                # A probe measures acceptance: one row's draft tells it, and costs the
-                # draft model at most one cold row's first read.
-                c.k = min(k, a.cap) if probe is None or c is probe else 0
-                if c.source == "lookup":
-                    c.tokens = c.tokens[: c.k]
-                if c.k == 0:
-                    c.source, c.tokens = "none", None
-        return choices
-
-    def _cold_cost(self, auto_rows: list[tuple[_Row, _Choice]]) -> tuple[int, float]:
-        """(tokens the draft model has not read of the greedy "auto" rows it would
-        draft for, their mean tokens left to generate): what drafting now would first
-        cost the draft model, and over how much output that cost is spread."""
-        cold = getattr(self.proposer, "cold", None)
-        if not cold:
-            return 0, 1.0
-        waking = [
-            (self.proposer.cold_tokens(r.key), r.max_tokens - r.generated)
-            for r, c in auto_rows
-            if r.key in cold and c.source == "model"
-        ]
-        if not waking:
-            return 0, 1.0
-        return sum(n for n, _ in waking), sum(left for _, left in waking) / len(waking)
-
-    def _probe_row(self, auto_rows: list[tuple[_Row, _Choice]]) -> _Choice | None:
-        """The row a probe drafts for: one the draft model has read already, else the
-        cold one with the shortest text (the cheapest first read)."""
-        candidates = [(r, c) for r, c in auto_rows if c.source == "model"] or auto_rows
-        if not candidates:
-            return None
-        cold = getattr(self.proposer, "cold", {})
-        row, choice = min(
-            candidates,
-            key=lambda rc: self.proposer.cold_tokens(rc[0].key) if rc[0].key in cold else -1,
-        )
-        return choice
-
-    def _model_cap(self, fixed: bool = False) -> int:
-        """Most drafts the worker's draft can give a row in one step."""
-        block = getattr(self.proposer, "max_draft", None)
-        if block is not None:
-            return block
-        return MAX_DRAFT_TOKENS if fixed else MAX_AUTO_DRAFT
-
-    def _free_draft(self, row: _Row, budget: int) -> list[int]:
-        """The lookup proposal of a greedy auto row, where its text repeats itself."""
-        if row.lookup is None:
-            return []
-        cap = row.plan.lookup.k_max if row.plan.lookup is not None else MAX_AUTO_DRAFT
-        return row.lookup.propose(min(budget, cap))
 
     # -- one step ------------------------------------------------------------------
     def step(self) -> dict:
@@ -283,7 +162,7 @@ class BatchDecoder:
         # The target never rolls back past this step (advance keeps only what passed), so
         # recurrent layers may forget the passes before it.
         self.t_rows.checkpoint()
-        choices = self._choose()
+        choices = self.policy.choose(self.rows)
         t0 = time.perf_counter()
         drafts, q = self._draft(choices)
         t1 = time.perf_counter()
@@ -306,18 +185,16 @@ class BatchDecoder:
         if features is not None:
             self.proposer.observe_target(features, keep)
         steps = self._finish(choices, drafts, results, t1 - t0, t2 - t1)
-        self._observe(choices, drafts, results, width, t1 - t0, t2 - t1)
-        for rows in (self.t_rows, getattr(self.proposer, "rows", None)):
+        for rows in (self.t_rows, self.proposer.rows if self.proposer is not None else None):
             if rows is not None and rows.waste() > COMPACT_WASTE:
                 rows.compact()
-        if self.controller is not None and not joined:
-            # A step that admitted rows also ran their prefill: not a fair sample.
-            emitted = sum(1 + n for n, _ in results)
-            seconds = time.perf_counter() - start
-            self.controller.observe_realized(len(self.rows), seconds, emitted, width > 1)
+        accepted = [n for n, _ in results]
+        self.policy.observe(
+            Outcome(self.rows, choices, drafts, accepted, width, t1 - t0, t2 - t1, start, joined)
+        )
         return steps
 
-    def _draft(self, choices: list[_Choice]) -> tuple[list[list[int]], dict]:
+    def _draft(self, choices: list[Choice]) -> tuple[list[list[int]], dict]:
         drafts = [list(c.tokens or []) if c.source == "lookup" else [] for c in choices]
         q: dict[int, mx.array] = {}
         want = {r.key: c.k for r, c in zip(self.rows, choices, strict=True) if c.source == "model"}
@@ -326,11 +203,8 @@ class BatchDecoder:
             # commit then queues the emitted tokens for its rows, as after depth 0).
             return drafts, q
         positions = {r.key: r.generated for r in self.rows}
-        if self.proposer.block:
-            last = {r.key: r.target_pending for r in self.rows}
-            by_key, laws = self.proposer.propose(want, positions, last)
-        else:
-            by_key, laws = self.proposer.propose(want, positions)
+        last = {r.key: r.target_pending for r in self.rows}
+        by_key, laws = self.proposer.propose(want, positions, last)
         for i, row in enumerate(self.rows):
             if row.key in by_key:
                 drafts[i] = by_key[row.key]
@@ -397,23 +271,6 @@ class BatchDecoder:
             self.proposer.commit(emitted_by_key, accepted_by_key)
         return steps
 
-    def _observe(self, choices, drafts, results, width, draft_s, verify_s) -> None:
-        probe = None
-        for row, c, d, (n, _) in zip(self.rows, choices, drafts, results, strict=True):
-            if row.plan is None or row.fixed_k is not None or not d:
-                continue
-            plan = row.plan.lookup if (c.source == "lookup" and row.plan.lookup) else row.plan
-            plan.observe(len(d), n)
-            if row.greedy_auto and c.source == "model":
-                probe = (len(d), n) if probe is None else (probe[0] + len(d), probe[1] + n)
-        if self.controller is None:
-            return
-        if self.controller.probing and probe is not None:
-            self.controller.probe_result(*probe)
-        depth = self.proposer.depth_run if self.proposer is not None else 0
-        members = len(self.proposer.members) if self.proposer is not None else 0
-        self.controller.observe_step(len(self.rows), width, verify_s, depth, members, draft_s)
-
     # -- inspection (tests, statistics) ------------------------------------------------
     def cached_tokens(self, key) -> int:
         """Prompt tokens of a row (admitted at a step) that the prefix cache gave."""
@@ -427,21 +284,27 @@ class BatchDecoder:
         return target, draft
 
 
-def _prefix(pair, role: str):
-    """The pair's prefix cache for "target" or "draft", or None where none is kept."""
-    caches = getattr(pair, "prefix", None)
-    cache = getattr(caches, role, None) if caches is not None else None
-    return cache if cache is not None and cache.enabled else None
+def decoder_class(pair) -> type[Decoder]:
+    """The kind of decoder a pair runs, picked here only: BatchDecoder, or
+    plain.PlainDecoder for a target whose layers the speculative decoder cannot keep
+    exact (`pair.plain_only`)."""
+    return PlainDecoder if pair.plain_only else BatchDecoder
 
 
-def new_decoder(pair):
-    """The decoder for a pair: BatchDecoder, or plain.PlainDecoder for a target whose
-    layers the speculative decoder cannot keep exact (`pair.plain_only`)."""
-    if getattr(pair, "plain_only", None):
-        from .plain import PlainDecoder
+def new_decoder(pair) -> Decoder:
+    """A decoder for a pair (see `decoder_class`)."""
+    return decoder_class(pair)(pair)
 
-        return PlainDecoder(pair)
-    return BatchDecoder(pair)
+
+def request_drafter(pair, drafter: str) -> str:
+    """The drafter a request runs with on this pair: "none" where its decoder does not
+    draft (plain decoding gives the text any drafter would), else `drafter`. Raises
+    core.InvalidRequestError for "model" where the pair has no draft model."""
+    if not decoder_class(pair).speculative:
+        return "none"
+    if drafter == "model" and pair.drafter_kind is None:
+        raise core.InvalidRequestError(NO_DRAFT_MODEL)
+    return drafter
 
 
 class SpeculativeDecoder:
@@ -465,9 +328,7 @@ class SpeculativeDecoder:
         max_tokens: int = 256,
         plan=None,
     ):
-        if num_draft_tokens == 0:
-            drafter, num_draft_tokens = "none", 1
-        if getattr(pair, "plain_only", None):
+        if num_draft_tokens == 0 or not decoder_class(pair).speculative:
             drafter, num_draft_tokens = "none", 1
         if num_draft_tokens == "auto" and plan is None and drafter != "none":
             if pair.controller is None:

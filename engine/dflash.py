@@ -36,6 +36,8 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten
 
 from .dflash2 import CODEBOOKS, CandidateSelector, GroupedDynamicConv, chain_noise
+from .drafters import DFlashProposer
+from .ragged import MaskedLayer, RaggedRows
 from .types import ModelLoadError
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -465,6 +467,19 @@ class DFlashDrafter:
         """An empty batched context with `batch` rows."""
         return DFlashState(self, batch)
 
+    #: Any number of drafts costs one drafter pass.
+    block = True
+
+    def proposer(self, target_vocab: int) -> DFlashProposer:
+        """The proposer that drafts with this drafter (one block pass per step)."""
+        return DFlashProposer(self, target_vocab)
+
+    def measure_costs(self, target: nn.Module):
+        """Seconds of one block pass for b rows (adaptive.PassCosts)."""
+        from .adaptive import measure_block_costs
+
+        return measure_block_costs(self, target)
+
     def info(self) -> dict:
         """Facts for logs and `spec-doctor`."""
         return {
@@ -482,21 +497,21 @@ class DFlashDrafter:
 class DFlashState:
     """The drafter's context for a batch: per-layer context keys/values, ragged per row.
 
-    Physical positions are shared by all rows; `valid` marks which hold a real token of a
-    row and `length` counts real tokens per row (their RoPE positions are 0..length-1).
-    Rejected positions are never written: `extend` keeps only the first keep[i] new ones.
+    Its rows are a ragged.RaggedRows, the one row bookkeeping of every cache here, and its
+    keys and values a layer kind of it (`_ContextLayer`): physical positions are shared by
+    all rows, `valid` marks which hold a real token of a row and `length` counts real
+    tokens per row (their RoPE positions are 0..length-1); rows join, leave and compact by
+    the ragged cache's rules. Rejected positions are never written: `extend` keeps only the
+    first keep[i] new ones, so the context never rolls back.
     """
 
     def __init__(self, drafter: DFlashDrafter, batch: int):
         self.drafter = drafter
         c = drafter.config
-        self.used = 0  # physical positions in use (same for every row)
-        self.valid = mx.zeros((batch, 0), dtype=mx.bool_)
-        self.positions = mx.zeros((batch, 0), dtype=mx.int32)  # RoPE position of each slot
-        self.length = mx.zeros((batch,), dtype=mx.int32)
-        shape = (batch, c.num_key_value_heads, 0, c.head_dim)
-        self.keys = [mx.zeros(shape) for _ in range(c.num_hidden_layers)]
-        self.values = [mx.zeros(shape) for _ in range(c.num_hidden_layers)]
+        self.rows = RaggedRows(batch)
+        self.context = _ContextLayer(
+            self.rows, c.num_hidden_layers, (batch, c.num_key_value_heads, 0, c.head_dim)
+        )
         windows = [c.window_of(i) for i in range(c.num_hidden_layers)]
         # A drafter whose every layer slides never sees a slot again once the row has moved
         # `horizon` positions past it (rows only grow): such slots are let go.
@@ -504,7 +519,26 @@ class DFlashState:
 
     @property
     def batch(self) -> int:
-        return self.valid.shape[0]
+        return self.rows.batch
+
+    @property
+    def used(self) -> int:
+        """Physical positions in use (the same for every row)."""
+        return self.rows.length
+
+    @property
+    def valid(self) -> mx.array:
+        return self.rows.valid
+
+    @property
+    def length(self) -> mx.array:
+        """Context tokens per row (B,)."""
+        return self.rows.offset
+
+    @property
+    def positions(self) -> mx.array:
+        """RoPE position of every slot (B, used)."""
+        return self.context.positions
 
     def lengths(self) -> list[int]:
         """Context tokens per row."""
@@ -520,34 +554,16 @@ class DFlashState:
         n = max(keep, default=0)
         if n == 0:
             return
-        keep_arr = mx.array(keep, dtype=mx.int32)
         ctx = self.drafter.model.context(features[:, :n])
         for i, layer in enumerate(self.drafter.model.layers):
             k, v = layer.self_attn.keys_values(ctx, self.drafter.model.rope, self.length)
-            self._write(i, k, v)
-        new_valid = mx.arange(n)[None, :] < keep_arr[:, None]
-        new_pos = self.length[:, None] + mx.arange(n)[None, :]
-        self.valid = mx.concatenate([self.valid, new_valid], axis=1)
-        self.positions = mx.concatenate([self.positions, new_pos.astype(mx.int32)], axis=1)
-        self.length = self.length + keep_arr
-        self.used += n
+            self.context.write(i, k, v)
+        self.context.add_positions(self.length, n)
+        self.rows.advance(n, keep)
         if self.horizon is not None:
-            self.valid = self.valid & (self.length[:, None] - self.positions < self.horizon)
+            self.rows.forget(self.length[:, None] - self.positions < self.horizon)
             if self.used >= self.horizon + GROW:
-                self._drop_dead_head(least=GROW)
-
-    def _write(self, i: int, k: mx.array, v: mx.array) -> None:
-        start, n = self.used, k.shape[2]
-        if start + n > self.keys[i].shape[2]:
-            size = ((start + n + GROW - 1) // GROW) * GROW
-            pad = [(0, 0), (0, 0), (0, size - self.keys[i].shape[2]), (0, 0)]
-            self.keys[i] = mx.pad(self.keys[i], pad)
-            self.values[i] = mx.pad(self.values[i], pad)
-        self.keys[i][..., start : start + n, :] = k
-        self.values[i][..., start : start + n, :] = v
-
-    def _context(self, i: int) -> tuple[mx.array, mx.array]:
-        return self.keys[i][..., : self.used, :], self.values[i][..., : self.used, :]
+                self.rows.drop_dead_head(least=GROW)
 
     def block_hidden(self, last_tokens: list[int], embed: Any = None) -> mx.array:
         """One drafter pass over [last token, mask x (block-1)] per row: the final-normed
@@ -561,7 +577,7 @@ class DFlashState:
         qpos = self.length[:, None] + mx.arange(bs)[None, :]  # (B, bs)
         ctx_kv, masks = [], []
         for i in range(c.num_hidden_layers):
-            ctx_kv.append(self._context(i))
+            ctx_kv.append(self.context.used(i))
             masks.append(self._mask(i, qpos)[:, None])
         return model.block_hidden(h, self.length, ctx_kv, masks)[:, 1:]
 
@@ -596,64 +612,83 @@ class DFlashState:
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows, in this order (rows that finished leave)."""
-        idx = mx.array(rows, dtype=mx.int32)
-        self.valid, self.positions, self.length = (
-            self.valid[idx],
-            self.positions[idx],
-            self.length[idx],
-        )
-        self.keys = [k[idx] for k in self.keys]
-        self.values = [v[idx] for v in self.values]
-        self._drop_dead_head()
+        self.rows.select(rows)
 
     def append(self, other: DFlashState) -> None:
         """Add the rows of `other` (e.g. requests just prefilled) after this state's rows."""
-        n = max(self.used, other.used)
-        mine, theirs = self._padded(n), other._padded(n)
-        self.valid = mx.concatenate([mine[0], theirs[0]])
-        self.positions = mx.concatenate([mine[1], theirs[1]])
-        self.keys = [mx.concatenate([a, b]) for a, b in zip(mine[2], theirs[2], strict=True)]
-        self.values = [mx.concatenate([a, b]) for a, b in zip(mine[3], theirs[3], strict=True)]
-        self.length = mx.concatenate([self.length, other.length])
-        self.used = n
-
-    def _padded(self, n: int):
-        # Left-pad used positions to n with invalid slots; drop the unused allocation.
-        extra = n - self.used
-        pad2 = [(0, 0), (extra, 0)]
-        pad4 = [(0, 0), (0, 0), (extra, 0), (0, 0)]
-        keys = [mx.pad(self._context(i)[0], pad4) for i in range(len(self.keys))]
-        values = [mx.pad(self._context(i)[1], pad4) for i in range(len(self.keys))]
-        return mx.pad(self.valid, pad2), mx.pad(self.positions, pad2), keys, values
-
-    def _drop_dead_head(self, least: int = 1) -> None:
-        # Drops the leading slots no row uses, when there are at least `least` of them.
-        if self.used == 0:
-            return
-        alive = mx.any(self.valid, axis=0).tolist()
-        start = next((i for i, a in enumerate(alive) if a), len(alive))
-        if start >= least:
-            self.valid, self.positions = self.valid[:, start:], self.positions[:, start:]
-            self.keys = [k[..., start : self.used, :] for k in self.keys]
-            self.values = [v[..., start : self.used, :] for v in self.values]
-            self.used -= start
+        self.rows.append(other.rows)
 
     def compact(self) -> None:
         """Squeeze out slots that no row uses (after many rows left); order is kept."""
-        if self.used == 0:
-            return
-        key = self.valid.astype(mx.int32) * self.used + mx.arange(self.used)[None, :]
-        order = mx.argsort(key, axis=1)
-        keep = int(mx.max(mx.sum(self.valid, axis=1)).item())
-        order = order[:, self.used - keep :]
-        self.valid = mx.take_along_axis(self.valid, order, axis=1)
-        self.positions = mx.take_along_axis(self.positions, order, axis=1)
+        self.rows.compact()
+
+
+class _ContextLayer(MaskedLayer):
+    """The context keys and values of every drafter layer, and the RoPE position of each
+    slot (a sliding drafter lets old slots go, so a slot's rank among its row's real ones
+    is not its position): one layer kind behind ragged.RaggedRows. The context never
+    rolls back (rejected positions are never written)."""
+
+    def __init__(self, rows: RaggedRows, layers: int, shape: tuple):
+        self.rows = rows
+        rows.layers.append(self)
+        self.keys = [mx.zeros(shape) for _ in range(layers)]
+        self.values = [mx.zeros(shape) for _ in range(layers)]
+        self.positions = mx.zeros((shape[0], 0), dtype=mx.int32)
+
+    def write(self, i: int, k: mx.array, v: mx.array) -> None:
+        """Layer i's keys and values of the next k.shape[2] slots (before `advance`)."""
+        start, n = self.rows.length, k.shape[2]
+        if start + n > self.keys[i].shape[2]:
+            size = ((start + n + GROW - 1) // GROW) * GROW
+            pad = [(0, 0), (0, 0), (0, size - self.keys[i].shape[2]), (0, 0)]
+            self.keys[i] = mx.pad(self.keys[i], pad)
+            self.values[i] = mx.pad(self.values[i], pad)
+        self.keys[i][..., start : start + n, :] = k
+        self.values[i][..., start : start + n, :] = v
+
+    def add_positions(self, length: mx.array, n: int) -> None:
+        """The RoPE positions of the next n slots of rows now `length` tokens long."""
+        new = (length[:, None] + mx.arange(n)[None, :]).astype(mx.int32)
+        self.positions = mx.concatenate([self.positions, new], axis=1)
+
+    def used(self, i: int) -> tuple[mx.array, mx.array]:
+        n = self.rows.length
+        return self.keys[i][..., :n, :], self.values[i][..., :n, :]
+
+    def gather(self, order: mx.array) -> None:
         idx = order[:, None, :, None]
         for i in range(len(self.keys)):
-            k, v = self._context(i)
+            k, v = self.used(i)
             self.keys[i] = mx.take_along_axis(k, idx, axis=2)
             self.values[i] = mx.take_along_axis(v, idx, axis=2)
-        self.used = keep
+        self.positions = mx.take_along_axis(self.positions, order, axis=1)
+
+    def select(self, idx: mx.array) -> None:
+        self.keys = [k[idx] for k in self.keys]
+        self.values = [v[idx] for v in self.values]
+        self.positions = self.positions[idx]
+
+    def shift(self, start: int) -> None:
+        n = self.rows.length
+        self.keys = [k[..., start:n, :] for k in self.keys]
+        self.values = [v[..., start:n, :] for v in self.values]
+        self.positions = self.positions[:, start:]
+
+    def pad_left(self, n: int) -> None:
+        pad = [(0, 0), (0, 0), (n, 0), (0, 0)]
+        used = [self.used(i) for i in range(len(self.keys))]
+        self.keys = [mx.pad(k, pad) for k, _ in used]
+        self.values = [mx.pad(v, pad) for _, v in used]
+        self.positions = mx.pad(self.positions, [(0, 0), (n, 0)])
+
+    def concat(self, other: _ContextLayer) -> None:
+        # Both sides were padded to the same length (RaggedRows.append).
+        mine = [self.used(i) for i in range(len(self.keys))]
+        theirs = [other.used(i) for i in range(len(other.keys))]
+        self.keys = [mx.concatenate([a[0], b[0]]) for a, b in zip(mine, theirs, strict=True)]
+        self.values = [mx.concatenate([a[1], b[1]]) for a, b in zip(mine, theirs, strict=True)]
+        self.positions = mx.concatenate([self.positions, other.positions])
 
 
 # ----------------------------------------------------------------------------- loading

@@ -7,7 +7,8 @@ extraction, code edits.
 
 `ModelProposer` drafts with a small language model for every row of a batch at
 once: K passes of one token per row over a ragged cache whose rows roll back on
-their own after verification.
+their own after verification. Both it and `DFlashProposer` are `interfaces.Proposer`s;
+`new_proposer(pair)` makes the one a pair drafts with.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import mlx.core as mx
 
 from . import sampling
 from .families import make_ragged_cache
+from .interfaces import Joining, Proposer
 from .prefix import prefill_cached
 from .sampling import DRAW_DRAFT
 
@@ -25,6 +27,26 @@ from .sampling import DRAW_DRAFT
 DFLASH_COMPACT_EVERY = 32
 
 PREFILL_CHUNK = 512
+
+
+def new_proposer(pair) -> Proposer | None:
+    """The proposer a pair drafts with: its hidden-state drafter's (DFlash, an MTP or
+    EAGLE-3 head: `pair.dflash.proposer`), a `ModelProposer` over its draft LM, or None
+    when it has neither (then only prompt lookup drafts)."""
+    if pair.dflash is not None:
+        return pair.dflash.proposer(pair.target_vocab)
+    if pair.draft is not None:
+        return ModelProposer(
+            pair.draft, pair.draft_vocab, pair.target_vocab, prefix=prefix_of(pair, "draft")
+        )
+    return None
+
+
+def prefix_of(pair, role: str):
+    """The pair's prefix cache for "target" or "draft", or None where none is kept."""
+    caches = pair.prefix
+    cache = getattr(caches, role) if caches is not None else None
+    return cache if cache is not None and cache.enabled else None
 
 
 class LookupIndex:
@@ -90,7 +112,7 @@ class _Member:
     used: bool = field(default=False)  # its drafts this step came from the model
 
 
-class ModelProposer:
+class ModelProposer(Proposer):
     """Batched drafting with a draft LM (`needs_features` False: it reads only tokens).
     Rows join (`admit`), leave (`remove`), get `propose(want)` drafts, then `commit`
     tells it what the target accepted.
@@ -102,8 +124,6 @@ class ModelProposer:
     """
 
     kind = "model"
-    needs_features = False
-    block = False  # K drafts cost K draft passes
 
     def __init__(self, model, draft_vocab: int, target_vocab: int, prefix=None):
         self.model = model
@@ -117,10 +137,12 @@ class ModelProposer:
         self.depth_run = 0  # draft passes run by the last propose()
         self._sampled: list[_Member] = []  # members drawing samples at this depth
 
-    def admit(self, joining: list[tuple[object, list[int], sampling.SamplingParams, int]]) -> None:
-        """Rows (key, prompt ids, params, seed) join cold (see the class docstring)."""
-        for key, ids, params, seed in joining:
-            self.cold[key] = (list(ids), params, seed)
+    def admit(self, joining: list[Joining], context=None) -> None:
+        """Rows that draft by the model join cold (see the class docstring); the others
+        never reach the draft model."""
+        for row in joining:
+            if row.drafts:
+                self.cold[row.key] = (list(row.ids), row.params, row.seed)
 
     def _warm(self, keys: list) -> None:
         """Prefill cold rows with every token they have; the newest stays pending, as
@@ -151,9 +173,10 @@ class ModelProposer:
             self.rows.select(keep)
             self.members = [self.members[i] for i in keep]
 
-    def propose(self, want: dict, positions: dict) -> tuple[dict, dict]:
+    def propose(self, want: dict, positions: dict, last: dict | None = None) -> tuple[dict, dict]:
         """Draft want[key] tokens for each member key (0 or absent: none); every member
-        runs through the same passes. Returns ({key: tokens}, {key: (k, V) law}) with
+        runs through the same passes (`last` is not needed: a member's pending tokens
+        end with it). Returns ({key: tokens}, {key: (k, V) law}) with
         laws only for sampled rows (over the target's vocabulary, padding rows 0)."""
         waking = [key for key in self.cold if want.get(key, 0) > 0]
         if waking:
@@ -257,7 +280,7 @@ class ModelProposer:
         return next(m.pending for m in self.members if m.key == key)
 
 
-class DFlashProposer:
+class DFlashProposer(Proposer):
     """Batched drafting with a DFlash block drafter: one drafter pass per step proposes
     up to block_size - 1 tokens for every row, read off the target's own hidden states.
 
@@ -270,7 +293,7 @@ class DFlashProposer:
 
     kind = "dflash"
     needs_features = True
-    block = True  # any K costs one drafter pass
+    block = True
 
     def __init__(self, drafter, target_vocab: int):
         self.drafter = drafter
@@ -291,13 +314,16 @@ class DFlashProposer:
         """A context manager: target forwards inside it record the features."""
         return self.drafter.capture(target)
 
-    def admit_state(self, state, rows: list[tuple]) -> None:
-        """Rows (key, params, seed, prompt ids) joining, with the context their prefill
-        passes built."""
-        self.state.append(state)
-        for key, params, seed, *_ in rows:
-            self.keys.append(key)
-            self.params[key], self.seeds[key] = params, seed
+    def new_context(self, batch: int):
+        return self.drafter.new_state(batch)
+
+    def admit(self, joining: list[Joining], context=None) -> None:
+        """Every decoder row joins (drafted by the model or not: the context's rows are
+        the decoder's rows), with the context its prefill passes built."""
+        self.state.append(context)
+        for row in joining:
+            self.keys.append(row.key)
+            self.params[row.key], self.seeds[row.key] = row.params, row.seed
 
     def remove(self, keys: set) -> None:
         keep = [i for i, k in enumerate(self.keys) if k not in keys]
@@ -324,7 +350,7 @@ class DFlashProposer:
         self.depth = self.depth_run = 1 if depth else 0
         if depth == 0:
             return {}, {}
-        if getattr(self.drafter, "chained", False):
+        if self.drafter.chained:
             return self._propose_chain(want, positions, last, depth)
         logits = self.drafter_logits([last[k] for k in self.keys])[:, :depth]
         greedy = mx.argmax(logits, axis=-1).tolist()

@@ -26,7 +26,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from .dflash import _target_width_and_vocab, target_embed_and_head, target_layers
-from .heads import PrefillHidden, capture_layers, measure_head_costs
+from .heads import HeadProposer, PrefillHidden, capture_layers, measure_head_costs
 from .types import ModelLoadError
 
 
@@ -221,6 +221,10 @@ class Eagle3Drafter:
 
     def new_state(self, batch: int = 0) -> PrefillHidden:
         return PrefillHidden(batch)
+
+    def proposer(self, target_vocab: int) -> HeadProposer:
+        """The proposer that drafts with this head (one token per head pass)."""
+        return HeadProposer(self, target_vocab)
 
     def step(self, tokens: mx.array, hidden: mx.array, cache) -> mx.array:
         return self.head(self.embed(tokens), hidden, cache)

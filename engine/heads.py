@@ -19,15 +19,8 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 
 from .dflash import _Hook, target_layers
-from .drafters import PREFILL_CHUNK, DFlashProposer, ModelProposer, _Member
-
-
-def feature_proposer(drafter, target_vocab: int):
-    """The proposer for a drafter that reads the target's hidden states: a head (MTP,
-    EAGLE-3: one token per pass) or a DFlash block drafter."""
-    if getattr(drafter, "kind", None) in ("mtp", "eagle3"):
-        return HeadProposer(drafter, target_vocab)
-    return DFlashProposer(drafter, target_vocab)
+from .drafters import PREFILL_CHUNK, ModelProposer, _Member
+from .interfaces import Joining
 
 
 class LayerCapture:
@@ -127,13 +120,19 @@ class HeadProposer(ModelProposer):
     def capture(self, target):
         return self.drafter.capture(target)
 
-    def admit_state(self, state: PrefillHidden, rows: list[tuple]) -> None:
-        """Rows (key, params, seed, prompt ids) with the hidden states of their prefill
-        (of every prompt token but the newest): pending pairs (h_i, x_{i+1})."""
-        for parts, (key, params, seed, ids) in zip(state.parts, rows, strict=True):
+    def new_context(self, batch: int) -> PrefillHidden:
+        return self.drafter.new_state(batch)
+
+    def admit(self, joining: list[Joining], context: PrefillHidden | None = None) -> None:
+        """Every decoder row joins (the head reads the features of every row), with the
+        hidden states of its prefill (of every prompt token but the newest): pending
+        pairs (h_i, x_{i+1})."""
+        for parts, row in zip(context.parts, joining, strict=True):
             hidden = [mx.concatenate(parts)] if parts else []
-            self.members.append(_HeadMember(key, list(ids[1:]), params, seed, hidden=hidden))
-        self.rows.append(_empty_rows(self.model, len(rows)))
+            self.members.append(
+                _HeadMember(row.key, list(row.ids[1:]), row.params, row.seed, hidden=hidden)
+            )
+        self.rows.append(_empty_rows(self.model, len(joining)))
 
     def observe_target(self, features: mx.array, keep: list[int]) -> None:
         """After a verify pass: row i's first keep[i] hidden states are the accepted ones."""
@@ -169,7 +168,7 @@ class HeadProposer(ModelProposer):
                 h = _stack(m.hidden)
                 m.pending, m.hidden = m.pending[n:], [h[n:]]
 
-    def propose(self, want: dict, positions: dict) -> tuple[dict, dict]:
+    def propose(self, want: dict, positions: dict, last: dict | None = None) -> tuple[dict, dict]:
         """Draft want[key] tokens per member key from K head passes. Returns ({key:
         tokens}, {key: (k, V) law}) with laws only for sampled rows."""
         depth = max((want.get(m.key, 0) for m in self.members), default=0)

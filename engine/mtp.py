@@ -24,7 +24,7 @@ import mlx.nn as nn
 from mlx.utils import tree_flatten, tree_map
 
 from .dflash import target_embed_and_head
-from .heads import PrefillHidden, capture_layers, measure_head_costs
+from .heads import HeadProposer, PrefillHidden, capture_layers, measure_head_costs
 from .types import ModelLoadError
 
 #: What `--draft` says to draft with the target's own MTP head.
@@ -102,6 +102,10 @@ class MTPDrafter:
 
     def new_state(self, batch: int = 0) -> PrefillHidden:
         return PrefillHidden(batch)
+
+    def proposer(self, target_vocab: int) -> HeadProposer:
+        """The proposer that drafts with this head (one token per head pass)."""
+        return HeadProposer(self, target_vocab)
 
     @property
     def feature_size(self) -> int:

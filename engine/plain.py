@@ -7,8 +7,8 @@ back, so such a target still runs, through mlx-lm's own cache, one row per forwa
 pass: every request is answered, with the text target-only decoding gives, drafters
 and batching aside (statistics say drafter "none").
 
-`PlainDecoder` has the BatchDecoder interface (`add`, `remove`, `step`), so the text
-layer, `generate_many` and the workers drive it unchanged; rows added together are
+`PlainDecoder` is an interfaces.Decoder, as BatchDecoder is (`add`, `remove`, `step`),
+declared not `speculative`, so the text layer, `generate_many` and the workers drive it unchanged; rows added together are
 decoded in turn, each with the sampling law and (seed, position)-keyed randomness
 the speculative decoder uses for a row that drafts nothing.
 """
@@ -22,6 +22,7 @@ import mlx.core as mx
 
 from . import sampling
 from .core import InvalidRequestError, Step
+from .interfaces import Decoder
 
 
 @dataclass
@@ -34,8 +35,10 @@ class _PlainRow:
     generated: int = 0
 
 
-class PlainDecoder:
+class PlainDecoder(Decoder):
     """Decode rows one forward pass at a time each, on mlx-lm's own caches."""
+
+    speculative = False
 
     def __init__(self, pair):
         self.pair = pair
@@ -44,8 +47,20 @@ class PlainDecoder:
     def __len__(self) -> int:
         return len(self.rows)
 
-    def add(self, key, prompt_ids: list[int], params, *, seed: int, **_ignored) -> None:
-        """Queue a row (drafting options are ignored: nothing drafts here)."""
+    def add(
+        self,
+        key,
+        prompt_ids: list[int],
+        params,
+        *,
+        seed: int,
+        drafter: str = "none",
+        num_draft_tokens=1,
+        max_tokens: int = 0,
+        plan=None,
+    ) -> None:
+        """Queue a row (drafter, num_draft_tokens, max_tokens and plan are not used:
+        nothing drafts here, and the caller stops the row)."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")
         model = self.pair.target

@@ -12,8 +12,9 @@ One `RaggedRows` is shared by all layer caches of one model; the decoder calls
 Sliding-window layers use the same plain cache: their mask counts each key's true
 position (its rank among the row's real tokens), not its slot, so a row attends
 exactly the window the model defines however many holes it has. Recurrent layer
-state (engine/recurrent.py) hangs off the same rows: `advance`, `drop_last`,
-`checkpoint`, `select` and `append` reach every layer kind through one interface.
+state (engine/recurrent.py) and the DFlash drafter's context (engine/dflash.py) hang
+off the same rows: `advance`, `drop_last`, `checkpoint`, `select`, `append` and
+`compact` reach every layer kind through one interface.
 """
 
 from __future__ import annotations
@@ -144,12 +145,18 @@ class RaggedRows:
         self.history = [[keep[r] for r in rows] for keep in self.history]
         for layer in self.layers:
             layer.select(idx)
-        self._drop_dead_head()
+        self.drop_dead_head()
 
-    def _drop_dead_head(self) -> None:
+    def forget(self, seen: mx.array) -> None:
+        """Positions where `seen` (batch, length) is False stop being real: no later
+        query attends them (they are past every sliding window). Rows keep their length."""
+        self.valid = self.valid & seen
+
+    def drop_dead_head(self, least: int = 1) -> None:
+        """Drop the leading positions no row uses, when there are at least `least`."""
         alive = mx.any(self.valid, axis=0).tolist()
         start = next((i for i, a in enumerate(alive) if a), len(alive))
-        if start:
+        if start >= least:
             self.valid = self.valid[:, start:]
             for layer in self.layers:
                 layer.shift(start)
@@ -174,16 +181,9 @@ class RaggedRows:
         self.length += n
 
 
-class RaggedLayerCache:
-    """The KV cache of one attention layer (full or sliding-window), in the interface
-    mlx-lm models call. Rolling back is masking, so the history hooks are no-ops."""
-
-    def __init__(self, rows: RaggedRows, window: int | None = None):
-        self.rows = rows
-        rows.layers.append(self)
-        self.window = window  # the layer's own window (mlx-lm's RotatingKVCache max_size)
-        self.keys = None
-        self.values = None
+class MaskedLayer:
+    """A layer kind whose rollback is masking (RaggedRows marks the positions gone):
+    the history hooks of the layer interface do nothing."""
 
     def settle(self, n_new: int, keep: list[int]) -> None:
         pass
@@ -196,6 +196,18 @@ class RaggedLayerCache:
 
     def rewind(self, plan) -> None:
         pass
+
+
+class RaggedLayerCache(MaskedLayer):
+    """The KV cache of one attention layer (full or sliding-window), in the interface
+    mlx-lm models call."""
+
+    def __init__(self, rows: RaggedRows, window: int | None = None):
+        self.rows = rows
+        rows.layers.append(self)
+        self.window = window  # the layer's own window (mlx-lm's RotatingKVCache max_size)
+        self.keys = None
+        self.values = None
 
     @property
     def offset(self) -> mx.array:

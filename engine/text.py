@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from contract.limits import DRAFTERS, MAX_DRAFT_TOKENS, REQUEST_BOUNDS
 
-from .batch import SpeculativeDecoder, new_decoder
+from .batch import SpeculativeDecoder, new_decoder, request_drafter
 from .sampling import SamplingParams
 from .types import (
     ContextLengthError,
@@ -103,15 +103,7 @@ class RequestRun:
                 f"{total} exceeds the context of {pair.name} "
                 f"({pair.context_length} tokens); shorten the prompt or lower max_tokens"
             )
-        dflash = getattr(pair, "dflash", None) is not None
-        # A plain-only target (engine.plain) runs every request as drafter "none": the
-        # text is what any drafter would give.
-        self.drafter = "none" if getattr(pair, "plain_only", None) else request.drafter
-        if self.drafter == "model" and pair.draft is None and not dflash:
-            raise InvalidRequestError(
-                "drafter: 'model' needs a draft model and this engine has none; "
-                "use 'lookup' or 'none'"
-            )
+        self.drafter = request_drafter(pair, request.drafter)
         self.params = SamplingParams(
             request.temperature, request.top_p, request.top_k, request.min_p
         )
@@ -123,7 +115,7 @@ class RequestRun:
             self.plan = pair.controller.plan(self.drafter, self.params.greedy)
         # "model" is the worker's draft, whatever its kind; statistics name the kind.
         self.stats = SpecStats(
-            drafter=pair.dflash.kind if dflash and self.drafter == "model" else self.drafter
+            drafter=pair.drafter_kind if self.drafter == "model" else self.drafter
         )
         self.stops = request.stop_strings()
         self.hold = max((len(s) for s in self.stops), default=1) - 1

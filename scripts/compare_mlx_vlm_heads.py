@@ -109,8 +109,8 @@ def our_drafts(pair, prompt, steps, k):
     """{output position: specfleet's drafts from there}."""
     seen, original = {}, HeadProposer.propose
 
-    def record(self, want, positions):
-        drafts, laws = original(self, want, positions)
+    def record(self, want, positions, last=None):
+        drafts, laws = original(self, want, positions, last)
         seen[positions[0]] = drafts.get(0)
         return drafts, laws
 

@@ -123,8 +123,8 @@ def test_eagle3_sampling_follows_the_target_law(small_vocab_eagle):
 def test_an_eagle3_law_at_the_wrong_temperature_fails_the_test(small_vocab_eagle, monkeypatch):
     original = heads.HeadProposer.propose
 
-    def wrong_law(self, want, positions):
-        found, laws = original(self, want, positions)
+    def wrong_law(self, want, positions, last=None):
+        found, laws = original(self, want, positions, last)
         return found, {k: q**4 / mx.sum(q**4, axis=-1, keepdims=True) for k, q in laws.items()}
 
     monkeypatch.setattr(heads.HeadProposer, "propose", wrong_law)

@@ -118,8 +118,8 @@ def _recorded_drafts(pair, prompt, steps, k, monkeypatch) -> tuple[list, int]:
     seen = []
     original = heads.HeadProposer.propose
 
-    def record(self, want, positions):
-        drafts, laws = original(self, want, positions)
+    def record(self, want, positions, last=None):
+        drafts, laws = original(self, want, positions, last)
         seen.append(drafts.get(0))
         return drafts, laws
 
@@ -199,9 +199,9 @@ def test_mtp_sampling_follows_the_target_law(small_vocab_mtp):
 def test_an_mtp_law_at_the_wrong_temperature_fails_the_test(small_vocab_mtp, monkeypatch):
     original = heads.HeadProposer.propose
 
-    def wrong_law(self, want, positions):
+    def wrong_law(self, want, positions, last=None):
         # Mutation: q is not the law the drafts were drawn from (sharpened).
-        found, laws = original(self, want, positions)
+        found, laws = original(self, want, positions, last)
         return found, {k: q**4 / mx.sum(q**4, axis=-1, keepdims=True) for k, q in laws.items()}
 
     monkeypatch.setattr(heads.HeadProposer, "propose", wrong_law)
