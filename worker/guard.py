@@ -1,10 +1,10 @@
-"""What both RQ workers (worker.rqworker, worker.rqbatch) share: running only our job,
-and keeping running jobs alive.
+"""What the RQ worker (worker.rqworker) and its job runner (worker.runner) share:
+running only our job, and keeping running jobs alive.
 
 - `SafeJob` makes sure RQ itself never imports a function or callback a job names,
   even during registry clean-up; `job_class(ctx)` is the SafeJob a worker uses, its
   failure callback bound to the worker's context. No job function is ever resolved:
-  the worker's job runner (worker.rqbatch) runs a job's lines itself.
+  the worker's job runner (worker.runner) runs a job's lines itself.
 - `vet` says why a payload must not run: it must be JSON naming
   `worker.jobs.run_lines` with (batch id, [line keys]) arguments (1 to JOB_LINES_MAX
   keys) and no callbacks but ours.
@@ -53,7 +53,7 @@ class SafeJob(Job):
 
     @property
     def func(self):
-        # A worker runs a job's lines with its JobRunner (worker.rqbatch), never by
+        # A worker runs a job's lines with its JobRunner (worker.runner), never by
         # calling what the job names, so RQ's perform path must not run at all.
         raise RuntimeError(f"refusing to resolve {self.func_name!r}: jobs run through the runner")
 

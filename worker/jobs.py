@@ -3,7 +3,7 @@ the context they run in.
 
 A job names `worker.jobs.run_lines` (jobstore.keys.JOB_FUNCTION) with (batch id,
 [line keys]): one to JOB_LINES_MAX lines of one batch and model alias. The worker never
-imports that name: its job runner (worker.rqbatch.JobRunner) reads the lines' validated
+imports that name: its job runner (worker.runner.JobRunner) reads the lines' validated
 requests from `P:batch:B:requests` in one round trip (`read_lines`), runs each on the
 pair loaded at start-up (in the `WorkerContext`, made once and passed in, never loaded
 inside a job) under its own timeout, and stores each line and its counters once per

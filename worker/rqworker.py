@@ -8,7 +8,7 @@ forking after Metal is initialised crashes on macOS) with these changes:
   callbacks but ours. Anything else is refused: logged, moved to the failed registry
   with the reason, and reported in `P:refused`. `SafeJob` makes sure RQ itself never
   imports a function or callback a job names, even during registry clean-up.
-- One job runner (worker.rqbatch.JobRunner) runs every job, alone or with --batch N
+- One job runner (worker.runner.JobRunner) runs every job, alone or with --batch N
   several decoded together, and finishes each in RQ (worker.rqcompat.finish_job) in
   place of RQ's `perform_job`. The worker's context (worker.jobs.WorkerContext: the
   pair, the connection, the auditor) is made once at start-up and passed in.
@@ -57,7 +57,7 @@ from jobstore.connection import ReconnectingRetry
 from worker import rqcompat
 from worker.guard import ColdShutdown, SafeJob, vet
 from worker.jobs import WorkerContext
-from worker.rqbatch import JobRunner
+from worker.runner import JobRunner
 
 __all__ = ["ColdShutdown", "SafeJob", "SpecWorker", "vet"]
 
@@ -91,7 +91,7 @@ class SpecWorker(SimpleWorker):
     the JSON serializer (worker.cli does); `context` is what every job runs with,
     `stats_key` the worker's `P:worker:W` hash."""
 
-    death_penalty_class = _NoDeathPenalty  # each line has its own limit (worker.jobs)
+    death_penalty_class = _NoDeathPenalty  # each line has its own limit (worker.runner)
 
     def __init__(
         self,
