@@ -159,7 +159,7 @@ def worker(
     crash = _CrashWatch()
     logging.getLogger("rq.worker").addFilter(crash)
     try:
-        with context.lines():  # its side thread stores lines that wait
+        with context.line_store():  # its side thread stores lines that wait
             spec_worker.work(burst=burst, max_jobs=max_jobs, logging_level=log_level.upper())
     except redis.exceptions.ConnectionError as exc:
         if not spec_worker.stopping:

@@ -60,7 +60,7 @@ class WorkerContext:
     #: Where finished lines go (worker.storing.LineStore); made on first use.
     sink: Any = None
 
-    def lines(self) -> LineStore:
+    def line_store(self) -> LineStore:
         """The worker's LineStore."""
         if self.sink is None:
             self.sink = LineStore(self)
@@ -113,7 +113,7 @@ def read_lines(ctx: WorkerContext, batch_id: str, line_keys: list[str]) -> JobLi
         records, errors, cancelled, known = pipe.execute()
     if not known:
         return JobLines([], bool(cancelled), gone=True)
-    ctx.lines().known(batch_id)  # submitted again since a store found it gone
+    ctx.line_store().known(batch_id)  # submitted again since a store found it gone
     todo = []
     for key, record, error in zip(line_keys, records, errors, strict=True):
         if record is None or error is not None:
@@ -194,10 +194,10 @@ def store_outcome(
 ) -> None:
     """Hand a line's outcome to the worker's LineStore (stored once per line key)."""
     number = line.request.line if line.request is not None else outcome.line["error"]["line"]
-    ctx.lines().add(batch_id, line.key, number, outcome, took_s)
+    ctx.line_store().add(batch_id, line.key, number, outcome, took_s)
 
 
-def started(ctx: WorkerContext, batch_id: str) -> None:
+def note_started(ctx: WorkerContext, batch_id: str) -> None:
     """A job of the batch starts decoding: note when the batch's first line did, and
     count the job for this worker (so spec-status lists a worker that holds lines
     before it has answered any, and still once it has gone quiet)."""

@@ -43,9 +43,9 @@ from worker.jobs import (
     WorkerContext,
     drop_gone,
     line_failed,
+    note_started,
     read_lines,
     settle,
-    started,
     store_outcome,
 )
 
@@ -82,7 +82,7 @@ class JobRunner:
         self.active: dict[str, ClaimedJob] = {}  # job id -> claimed, not yet finished
         self.cancelled: dict[str, bool] = {}  # batch id -> cancelled, as last seen
         self._lock = threading.Lock()
-        self.lines = 0
+        self.decoded = 0  # lines the engine answered in this run
         self.peak = 0
 
     # -- claiming ------------------------------------------------------------------
@@ -133,7 +133,7 @@ class JobRunner:
     def _next_lines(self, jobs: deque[ClaimedJob]) -> Iterator[tuple[ClaimedJob, PendingLine]]:
         """(claimed, line) for the engine: the lines of `jobs`, then the lines of jobs
         claimed while rows are free. Lines that need no engine are stored on the way."""
-        sink = self.ctx.lines()
+        sink = self.ctx.line_store()
         while True:
             if rqcompat.stop_requested(self.worker):
                 return  # the lines not given out go back with their jobs
@@ -157,7 +157,7 @@ class JobRunner:
                 self._store(claimed, line, outcome, 0.0)
                 continue
             if not claimed.started:
-                started(self.ctx, claimed.batch_id)
+                note_started(self.ctx, claimed.batch_id)
                 claimed.started = True
             claimed.running += 1
             yield claimed, line
@@ -215,7 +215,7 @@ class JobRunner:
     def _decode(self, decoded) -> None:
         """Store each decoded line, or count it failed, and finish jobs as they end."""
         for claimed, line, result in decoded:
-            self.lines += 1
+            self.decoded += 1
             claimed.running -= 1
             if isinstance(result, BaseException):
                 claimed.failures[line.key] = line_failed(
@@ -252,14 +252,14 @@ class JobRunner:
             self._decode(self._together(self._next_lines(deque([self._claim(first)]))))
         except Exception:
             log.exception("batched run failed; running its remaining lines one by one")
-            self.ctx.lines().flush()
+            self.ctx.line_store().flush()
             self.max_batch = 1
             for claimed in list(self.active.values()):
                 found = read_lines(self.ctx, claimed.batch_id, claimed.job.args[1])
                 claimed.left, claimed.running, claimed.failures = deque(found.todo), 0, {}
                 claimed.started = False  # counted again for this worker, as a new run
                 self._run_alone(claimed)
-        log.info("decoded %d line(s) together, up to %d at once", self.lines, self.peak)
+        log.info("decoded %d line(s) together, up to %d at once", self.decoded, self.peak)
 
     def _run_alone(self, claimed: ClaimedJob) -> None:
         """A job's lines one by one; a job that fails outside its lines (Redis refusing
@@ -267,7 +267,7 @@ class JobRunner:
         try:
             self._decode(self._one_by_one(self._next_lines(deque([claimed]))))
         except Exception as exc:
-            self.ctx.lines().flush()
+            self.ctx.line_store().flush()
             if claimed.job.id in self.active:
                 self._finish(claimed, exc)
 
@@ -283,7 +283,7 @@ class JobRunner:
 
     def _finish_if_done(self, claimed: ClaimedJob) -> None:
         if claimed.finished and claimed.job.id in self.active:
-            self.ctx.lines().flush()  # its lines stored before RQ hears it is done
+            self.ctx.line_store().flush()  # its lines stored before RQ hears it is done
             if claimed.failures:
                 self._finish(claimed, LinesFailed(claimed.failures))
             else:
@@ -298,7 +298,7 @@ class JobRunner:
 
     def _put_back_all(self) -> None:
         if self.active:
-            self.ctx.lines().flush()  # what finished stays done
+            self.ctx.line_store().flush()  # what finished stays done
         for claimed in list(self.active.values()):
             if claimed.left:
                 log.info(
