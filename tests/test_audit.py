@@ -37,22 +37,21 @@ def job(i: int, **fields):
 
 @pytest.fixture
 def batch(redis_env):
-    """An existing batch hash (audit counts only into batches that exist), and the
-    auditor of a worker with --audit 1.0; audit mode is off again afterwards."""
+    """An existing batch hash (audit counts only into batches that exist)."""
     batch_id = redis_env.batch_id()
     redis_env.conn.hset(redis_env.keys.batch(batch_id), "created_at", "0")
     redis_env.conn.zadd(redis_env.keys.order(batch_id), {"c:r0": 1})
-    audit.set_auditor(audit.Auditor(1.0, random.Random(0)))
-    yield batch_id
-    audit.set_auditor(None)
+    return batch_id
 
 
 @pytest.fixture
 def execute(redis_env):
-    """Run a line as a worker does: generate (and maybe audit), then store it once."""
+    """Run a line as a worker with --audit 1.0 does: generate (and maybe audit), then
+    store it once."""
+    auditor = audit.Auditor(1.0, random.Random(0))
 
     def run(pair, alias, batch_id, line):
-        outcome = run_line(pair, alias, batch_id, line)
+        outcome = run_line(pair, alias, batch_id, line, auditor=auditor)
         store.store_line(
             redis_env.conn,
             redis_env.keys,

@@ -94,22 +94,22 @@ def test_a_line_is_stored_once_with_its_counters_even_if_written_twice(redis_env
 
 
 def test_a_job_that_runs_again_does_not_generate_again(redis_env, tmp_path):
-    """run_lines returns before touching the model when its lines are already stored."""
+    """A job whose lines are already stored has nothing left to run (no model needed)."""
     import pytest
 
     pytest.importorskip("mlx")
     from worker import jobs
 
-    batch = _submit_lines(redis_env, tmp_path, 1)
+    batch = _submit_lines(redis_env, tmp_path, 2)
     conn, keys = redis_env.conn, redis_env.keys
     store.store_line(conn, keys, batch, "c:r0", _fake_result(batch, 0), ok=True, worker="w1")
-    jobs.set_context(
-        jobs.WorkerContext(pair=None, alias="demo", worker_name="w2", conn=conn, keys=keys)
+    ctx = jobs.WorkerContext(pair=None, alias="demo", worker_name="w2", conn=conn, keys=keys)
+    found = jobs.read_lines(ctx, batch, ["c:r0", "c:r1"])
+    assert ([line.key for line in found.todo], found.cancelled, found.gone) == (
+        ["c:r1"],
+        False,
+        False,
     )
-    try:
-        assert jobs.run_lines(batch, ["c:r0"]) == {"lines": 1, "answered": 0}
-    finally:
-        jobs.set_context(None)
 
 
 def test_collect_streams_in_chunks_in_input_or_completion_order(redis_env, tmp_path, monkeypatch):

@@ -260,4 +260,4 @@ def test_worker_modules_import_no_cycle():
 
     for module in sorted(graph):
         visit(module, ())
-    assert "rqworker" in graph["cli"] and "guard" in graph["rqbatch"]
+    assert "rqworker" in graph["cli"] and "guard" in graph["runner"]

@@ -9,8 +9,9 @@ logged with the line, and counted in the batch hash (`audit_checked`,
 `audit_mismatches`, shown by `spec-status`) in the same write that stores the line,
 so a line that runs twice counts once.
 
-The worker sets one `Auditor` at start-up (`set_auditor`); `worker.execute` calls
-`check` after each generation. Sampled requests are not audited: the same seed gives
+The worker makes one `Auditor` at start-up and keeps it in its context
+(worker.jobs.WorkerContext); `worker.execute` is given it and calls `check` after each
+generation. Sampled requests are not audited: the same seed gives
 the same distribution, not the same tokens.
 """
 
@@ -27,7 +28,7 @@ from jobstore.keys import AUDIT_CHECKED, AUDIT_MISMATCHES
 
 log = logging.getLogger("specfleet.audit")
 
-__all__ = ["Auditor", "audit", "audit_counters", "get_auditor", "maybe_audit", "set_auditor"]
+__all__ = ["Auditor", "audit", "audit_counters", "maybe_audit"]
 
 
 def auditable(request: engine.GenerationRequest) -> bool:
@@ -104,16 +105,3 @@ class Auditor:
                 len(result.token_ids),
             )
         return matched
-
-
-_auditor: Auditor | None = None
-
-
-def set_auditor(auditor: Auditor | None) -> None:
-    """Turn audit mode on (an Auditor) or off (None) for this process."""
-    global _auditor
-    _auditor = auditor
-
-
-def get_auditor() -> Auditor | None:
-    return _auditor

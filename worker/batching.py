@@ -1,6 +1,6 @@
 """Run many lines together on one pair: batched speculation across requests.
 
-`run_lines` feeds lines to `engine.generate_many` lazily, so a row that frees up
+`decode_together` feeds lines to `engine.generate_many` lazily, so a row that frees up
 takes the next line at once, and yields each line's outcome as it finishes.
 Used by `spec-run` and by `spec-worker --batch N`; a line's output is the same as
 when it runs alone (greedy exactly; seeded sampling by the same seed).
@@ -14,18 +14,21 @@ from collections.abc import Callable, Iterable, Iterator
 import engine
 from jobstore.jobfile import JobLine
 from jobstore.lines import effective_seed
+from worker.audit import Auditor
 from worker.execute import Outcome, outcome_of, to_request
 
 
-def run_lines(
+def decode_together(
     pair,
     alias: str,
     lines: Iterable[tuple[str, JobLine]],
     max_batch: int,
     expired: Callable[[JobLine], bool] | None = None,
     worker: str | None = None,
+    auditor: Auditor | None = None,
 ) -> Iterator[tuple[JobLine, Outcome | engine.RequestExpired]]:
-    """Yield (line, outcome) for every (batch id, line), in the order they finish.
+    """Yield (line, outcome) for every (batch id, line), in the order they finish
+    (`auditor`: audit mode, or None).
 
     Each outcome's busy time is the wall time since the previous line finished,
     so busy times add up to the time the batch took. A line for which
@@ -54,4 +57,9 @@ def run_lines(
             continue
         now = time.perf_counter()
         busy_ms, last = int((now - last) * 1000), now
-        yield job, outcome_of(alias, batch_id, job, seed, res, busy_ms, pair=pair, worker=worker)
+        yield (
+            job,
+            outcome_of(
+                alias, batch_id, job, seed, res, busy_ms, pair=pair, worker=worker, auditor=auditor
+            ),
+        )

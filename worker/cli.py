@@ -103,10 +103,11 @@ def worker(
     redis_url, target, draft, alias, burst, max_jobs, name, max_batch, audit_rate, log_level
 ):
     """Serve one model alias from its queue: load the pair once, run jobs in this process."""
-    from worker.audit import Auditor, set_auditor
-    from worker.jobs import WorkerContext, set_context
+    from worker.audit import Auditor
+    from worker.guard import job_class
+    from worker.jobs import WorkerContext
     from worker.redisfull import WaitWhileFull
-    from worker.rqworker import SafeJob, SpecWorker
+    from worker.rqworker import SpecWorker
 
     _setup_logging(log_level)
     if alias is not None and not config.ALIAS_PATTERN.match(alias):
@@ -131,9 +132,8 @@ def worker(
     keys = Keys.default()
     name = name or f"{socket.gethostname()}.{os.getpid()}"
     announce = _register(conn, keys, pair, alias, name)
-    context = WorkerContext(pair, alias, name, conn, keys, config.result_ttl_s())
-    set_context(context)
-    set_auditor(Auditor(audit_rate) if audit_rate else None)
+    auditor = Auditor(audit_rate) if audit_rate else None
+    context = WorkerContext(pair, alias, name, conn, keys, config.result_ttl_s(), auditor)
     queue = keys.queue_name(alias)
     warning = warn_if_evicting(conn)
     if warning:
@@ -147,7 +147,8 @@ def worker(
         name=name,
         connection=conn,
         serializer=JSONSerializer,
-        job_class=SafeJob,
+        job_class=job_class(context),
+        context=context,
         refused_key=keys.refused,
         stats_key=keys.worker(name),
         max_batch=max_batch,
@@ -155,11 +156,10 @@ def worker(
         worker_ttl=60,
         maintenance_interval=30,
     )
-    context.stopping = spec_worker.stop_requested
     crash = _CrashWatch()
     logging.getLogger("rq.worker").addFilter(crash)
     try:
-        with context.lines():  # its side thread stores lines that wait
+        with context.line_store():  # its side thread stores lines that wait
             spec_worker.work(burst=burst, max_jobs=max_jobs, logging_level=log_level.upper())
     except redis.exceptions.ConnectionError as exc:
         if not spec_worker.stopping:
@@ -167,8 +167,6 @@ def worker(
         # Asked to stop while Redis was away: a job it was running comes back through
         # its heartbeat expiring, like a lost worker's.
         log.warning("stopped while Redis at %s was unreachable: %s", config.redact(url), exc)
-    finally:
-        set_context(None)
     late = _note_stop_signals()
     if spec_worker.cold_signum is not None:
         sys.exit(128 + spec_worker.cold_signum)

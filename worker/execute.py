@@ -3,7 +3,8 @@
 Shared by the queue worker and `spec-run`, so both produce the same line for the same
 request and seed. Engine errors a user can act on become error lines; anything else
 is raised (the queue retries it, spec-run records `internal_error`). In audit mode
-(worker.audit), a finished greedy line may be re-run target-only and compared.
+(an `Auditor` passed in: worker.audit), a finished greedy line may be re-run
+target-only and compared.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from jobstore.jobfile import JobLine
 from jobstore.lines import effective_seed, error_line, result_line
 from jobstore.store import result_counters
 from jobstore.tokens import prompt_texts, tokens_over
-from worker.audit import audit_counters, get_auditor
+from worker.audit import Auditor, audit_counters
 
 
 @dataclass(frozen=True)
@@ -52,9 +53,16 @@ def worker_identity(name: str | None) -> dict:
     return {"name": name or LOCAL_WORKER, "host": socket.gethostname()}
 
 
-def execute(pair, alias: str, batch_id: str, job: JobLine, worker: str | None = None) -> Outcome:
-    """Generate one line (`worker`: the name of the worker running it). Raises whatever
-    the engine raises that is not a request error."""
+def execute(
+    pair,
+    alias: str,
+    batch_id: str,
+    job: JobLine,
+    worker: str | None = None,
+    auditor: Auditor | None = None,
+) -> Outcome:
+    """Generate one line (`worker`: the name of the worker running it; `auditor`: audit
+    mode, or None). Raises whatever the engine raises that is not a request error."""
     seed = effective_seed(batch_id, job)
     started = time.perf_counter()
     try:
@@ -62,7 +70,9 @@ def execute(pair, alias: str, batch_id: str, job: JobLine, worker: str | None = 
     except (engine.ContextLengthError, engine.InvalidRequestError) as exc:
         return outcome_of(alias, batch_id, job, seed, exc)
     busy_ms = int((time.perf_counter() - started) * 1000)
-    return outcome_of(alias, batch_id, job, seed, res, busy_ms, pair=pair, worker=worker)
+    return outcome_of(
+        alias, batch_id, job, seed, res, busy_ms, pair=pair, worker=worker, auditor=auditor
+    )
 
 
 def outcome_of(
@@ -74,10 +84,11 @@ def outcome_of(
     busy_ms: int = 0,
     pair=None,
     worker: str | None = None,
+    auditor: Auditor | None = None,
 ) -> Outcome:
     """The line for an engine result, or for a request error the engine raised.
 
-    With `pair` (the pair that produced res) and audit mode on, the line may be re-run
+    With `pair` (the pair that produced res) and an `auditor`, the line may be re-run
     target-only and compared (worker.audit); busy_ms does not include that run.
     """
     if isinstance(res, engine.ContextLengthError):
@@ -87,7 +98,6 @@ def outcome_of(
     metrics = {**res.metrics, "worker": worker_identity(worker)}
     line = result_line(batch_id, job, alias, res.text, res.finish_reason, res.usage, metrics, seed)
     counters = result_counters(res.usage, dataclasses.asdict(res.stats), busy_ms)
-    auditor = get_auditor()
     audited = None
     if auditor is not None and pair is not None:
         label = f"line {job.line} ({job.custom_id})"

@@ -1,9 +1,10 @@
-"""What both RQ workers (worker.rqworker, worker.rqbatch) share: running only our job,
-and keeping running jobs alive.
+"""What the RQ worker (worker.rqworker) and its job runner (worker.runner) share:
+running only our job, and keeping running jobs alive.
 
 - `SafeJob` makes sure RQ itself never imports a function or callback a job names,
-  even during registry clean-up; it also carries what a batch computed for the job to
-  RQ's `perform_job` (`precomputed`), so that hand-off is visible where it happens.
+  even during registry clean-up; `job_class(ctx)` is the SafeJob a worker uses, its
+  failure callback bound to the worker's context. No job function is ever resolved:
+  the worker's job runner (worker.runner) runs a job's lines itself.
 - `vet` says why a payload must not run: it must be JSON naming
   `worker.jobs.run_lines` with (batch id, [line keys]) arguments (1 to JOB_LINES_MAX
   keys) and no callbacks but ours.
@@ -44,22 +45,17 @@ class ColdShutdown(SystemExit):
 
 
 class SafeJob(Job):
-    """A Job that resolves only this project's function and failure callback."""
+    """A Job that resolves no function and only this project's failure callback."""
 
-    #: What a batched run already did with this job (True: its lines are stored; an
-    #: exception: raise it as the job's), given to run_lines when RQ performs the job,
-    #: in place of running its lines again.
-    precomputed: bool | BaseException | None = None
+    #: The worker's context (worker.jobs.WorkerContext) its failure callback writes
+    #: with; set on the class a worker makes with `job_class`.
+    context: Any = None
 
     @property
     def func(self):
-        if self.func_name != JOB_FUNCTION:
-            raise RuntimeError(f"refusing to run {self.func_name!r}")
-        from worker.jobs import run_lines
-
-        if self.precomputed is not None:
-            return functools.partial(run_lines, precomputed=self.precomputed)
-        return run_lines
+        # A worker runs a job's lines with its JobRunner (worker.runner), never by
+        # calling what the job names, so RQ's perform path must not run at all.
+        raise RuntimeError(f"refusing to resolve {self.func_name!r}: jobs run through the runner")
 
     @property
     def success_callback(self):
@@ -74,8 +70,14 @@ class SafeJob(Job):
         if rqcompat.callback_names(self).failure == FAILURE_CALLBACK:
             from worker.jobs import on_job_failure
 
-            return on_job_failure
+            return functools.partial(on_job_failure, self.context)
         return None
+
+
+def job_class(context) -> type[SafeJob]:
+    """The SafeJob class of one worker: its failure callback writes with `context`
+    (the worker's WorkerContext: key prefix, worker name, result TTL)."""
+    return type("SafeJob", (SafeJob,), {"context": context})
 
 
 def vet(job: Job) -> str | None:

@@ -1,11 +1,14 @@
-"""The one job function a worker runs, its failure callback, and their context.
+"""What a job is to the worker: its lines, their outcomes, its failure callback, and
+the context they run in.
 
-A job is `run_lines(batch_id, line_keys)`: one to JOB_LINES_MAX lines of one batch
-and model alias. It reads their validated requests from `P:batch:B:requests` in one
-round trip, runs each on the pair loaded at start-up (set once with `set_context`,
-never loaded inside a job) under its own timeout, and stores each line and its counters
-once per (batch, line key) as soon as it is done (worker.storing: lines that finish in
-quick succession share one call); all are stored before the job ends. So a job that runs
+A job names `worker.jobs.run_lines` (jobstore.keys.JOB_FUNCTION) with (batch id,
+[line keys]): one to JOB_LINES_MAX lines of one batch and model alias. The worker never
+imports that name: its job runner (worker.runner.JobRunner) reads the lines' validated
+requests from `P:batch:B:requests` in one round trip (`read_lines`), runs each on the
+pair loaded at start-up (in the `WorkerContext`, made once and passed in, never loaded
+inside a job) under its own timeout, and stores each line and its counters once per
+(batch, line key) as soon as it is done (worker.storing: lines that finish in quick
+succession share one call); all are stored before the job ends. So a job that runs
 again (its worker was killed, or it was delivered twice) skips the lines already
 answered: a line with a result has no request record any more, a line with an error
 line is skipped too.
@@ -23,20 +26,20 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from redis import Redis
 from rq.exceptions import AbandonedJobError
-from rq.job import get_current_job
-from rq.timeouts import JobTimeoutException, UnixSignalDeathPenalty
+from rq.job import Job
+from rq.timeouts import JobTimeoutException
 
 from jobstore import config, store
 from jobstore.jobfile import JobLine
 from jobstore.keys import Keys, custom_id_of
 from jobstore.lines import dumps, error_line
-from worker.execute import Outcome, context_overflow, execute, failure
+from worker.audit import Auditor
+from worker.execute import Outcome, context_overflow, failure
 from worker.storing import LineStore
 
 log = logging.getLogger("specfleet.worker")
@@ -52,38 +55,25 @@ class WorkerContext:
     conn: Redis
     keys: Keys
     ttl_s: int = 0
-    #: True once the worker was asked to stop after its current line (a first SIGTERM).
-    stopping: Callable[[], bool] = field(default=lambda: False)
+    #: Audit mode (spec-worker --audit): re-runs some greedy lines target-only.
+    auditor: Auditor | None = None
     #: Where finished lines go (worker.storing.LineStore); made on first use.
     sink: Any = None
 
-    def lines(self) -> LineStore:
+    def line_store(self) -> LineStore:
         """The worker's LineStore."""
         if self.sink is None:
             self.sink = LineStore(self)
         return self.sink
 
 
-_context: WorkerContext | None = None
-
-
-def set_context(context: WorkerContext | None) -> None:
-    global _context
-    _context = context
-
-
-def get_context() -> WorkerContext:
-    if _context is None:
-        raise RuntimeError("run_lines needs a worker context (set_context at start-up)")
-    return _context
-
-
 @dataclass(frozen=True)
-class Line:
-    """One unanswered line of a job, as its worker found it."""
+class PendingLine:
+    """One unanswered line of a job, as its worker found it: its line key and the
+    request stored for it."""
 
     key: str
-    line: JobLine | None  # None when its stored request cannot be read
+    request: JobLine | None  # None when its stored request cannot be read
     timeout: int  # seconds it may run
     unreadable: str | None = None  # why the stored request cannot be parsed
     code: str = "internal_error"  # the error code of an unreadable one
@@ -93,7 +83,7 @@ class Line:
 class JobLines:
     """A job's lines still to answer (in the job's order), and the batch's cancel flag."""
 
-    todo: list[Line]
+    todo: list[PendingLine]
     cancelled: bool
     #: The batch has no record (created_at) any more: Redis lost it; nothing is run.
     gone: bool = False
@@ -110,11 +100,6 @@ class LinesFailed(Exception):
         super().__init__(f"{len(failures)} line(s) failed, first {first[0]}: {first[1][1]}"[:1000])
 
 
-class PutBack(BaseException):
-    """The worker was asked to stop: the job's remaining lines go back to the queue
-    (BaseException: nothing may treat it as the job's failure)."""
-
-
 def read_lines(ctx: WorkerContext, batch_id: str, line_keys: list[str]) -> JobLines:
     """One round trip: the job's lines that have neither a result (their request record
     is gone then) nor an error line, their requests parsed, and the cancel flag."""
@@ -128,7 +113,7 @@ def read_lines(ctx: WorkerContext, batch_id: str, line_keys: list[str]) -> JobLi
         records, errors, cancelled, known = pipe.execute()
     if not known:
         return JobLines([], bool(cancelled), gone=True)
-    ctx.lines().known(batch_id)  # submitted again since a store found it gone
+    ctx.line_store().known(batch_id)  # submitted again since a store found it gone
     todo = []
     for key, record, error in zip(line_keys, records, errors, strict=True):
         if record is None or error is not None:
@@ -139,20 +124,20 @@ def read_lines(ctx: WorkerContext, batch_id: str, line_keys: list[str]) -> JobLi
                 "(a job-file line may have at most "
                 f"{config.MAX_LINE_BYTES} bytes)"
             )
-            todo.append(Line(key, None, 0, why, code="invalid_request"))
+            todo.append(PendingLine(key, None, 0, why, code="invalid_request"))
             continue
         todo.append(_parse(key, record))
     return JobLines(todo, bool(cancelled))
 
 
-def _parse(key: str, record: bytes) -> Line:
+def _parse(key: str, record: bytes) -> PendingLine:
     try:
         data = json.loads(record)
-        line = JobLine.from_record(data)
+        request = JobLine.from_record(data)
         timeout = int(data.get("timeout") or config.job_timeout_s(1, 0))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        return Line(key, None, 0, f"{type(exc).__name__}: {exc}")
-    return Line(key, line, max(1, timeout))
+        return PendingLine(key, None, 0, f"{type(exc).__name__}: {exc}")
+    return PendingLine(key, request, max(1, timeout))
 
 
 def drop_gone(batch_id: str, job_id: str | None, lines_left: int) -> None:
@@ -168,24 +153,24 @@ def drop_gone(batch_id: str, job_id: str | None, lines_left: int) -> None:
     )
 
 
-def settle(ctx: WorkerContext, batch_id: str, line: Line, cancelled: bool) -> Outcome | None:
+def settle(ctx: WorkerContext, batch_id: str, line: PendingLine, cancelled: bool) -> Outcome | None:
     """The outcome of a line that needs no engine (an unreadable request, a cancelled
     batch, another model), else None."""
     if line.unreadable is not None:
         outcome = _unreadable(ctx, batch_id, line.key, line.unreadable, line.code)
         log.error("%s %s: %s", batch_id, line.key, outcome.line["error"]["message"])
         return outcome
-    job = line.line
+    request = line.request
     if cancelled:
-        return failure(batch_id, job, "cancelled", "the batch was cancelled before it started")
-    if job.model != ctx.alias:
+        return failure(batch_id, request, "cancelled", "the batch was cancelled before it started")
+    if request.model != ctx.alias:
         return failure(
             batch_id,
-            job,
+            request,
             "model_not_served",
-            f"model {job.model!r} reached a worker serving {ctx.alias!r}; it was not run",
+            f"model {request.model!r} reached a worker serving {ctx.alias!r}; it was not run",
         )
-    return context_overflow(ctx.pair, batch_id, job)
+    return context_overflow(ctx.pair, batch_id, request)
 
 
 def _unreadable(
@@ -205,14 +190,14 @@ def _unreadable(
 
 
 def store_outcome(
-    ctx: WorkerContext, batch_id: str, line: Line, outcome: Outcome, took_s: float = 0.0
+    ctx: WorkerContext, batch_id: str, line: PendingLine, outcome: Outcome, took_s: float = 0.0
 ) -> None:
     """Hand a line's outcome to the worker's LineStore (stored once per line key)."""
-    number = line.line.line if line.line is not None else outcome.line["error"]["line"]
-    ctx.lines().add(batch_id, line.key, number, outcome, took_s)
+    number = line.request.line if line.request is not None else outcome.line["error"]["line"]
+    ctx.line_store().add(batch_id, line.key, number, outcome, took_s)
 
 
-def started(ctx: WorkerContext, batch_id: str) -> None:
+def note_started(ctx: WorkerContext, batch_id: str) -> None:
     """A job of the batch starts decoding: note when the batch's first line did, and
     count the job for this worker (so spec-status lists a worker that holds lines
     before it has answered any, and still once it has gone quiet)."""
@@ -222,21 +207,20 @@ def started(ctx: WorkerContext, batch_id: str) -> None:
         pipe.execute()
 
 
-def line_failed(batch_id: str, line: Line, exc: BaseException) -> tuple[str, str]:
-    """(code, message) of a line that raised or passed its timeout, logged with the
-    attempt it was."""
+def line_failed(job: Job, batch_id: str, line: PendingLine, exc: BaseException) -> tuple[str, str]:
+    """(code, message) of a line of `job` that raised or passed its timeout, logged with
+    the attempt it was."""
     if isinstance(exc, JobTimeoutException):
         code, message = "timeout", f"did not finish within {line.timeout} s"
     else:
         code, message = "internal_error", f"{type(exc).__name__}: {exc}"
-    job = get_current_job()
     left = getattr(job, "retries_left", None)
     attempt = config.JOB_RETRIES + 1 - left if left is not None else 1
     log.warning(
         "%s line %d (%s): attempt %d of %d failed: %s",
         batch_id,
-        line.line.line,
-        line.line.custom_id,
+        line.request.line,
+        line.request.custom_id,
         attempt,
         config.JOB_RETRIES + 1,
         message,
@@ -244,63 +228,16 @@ def line_failed(batch_id: str, line: Line, exc: BaseException) -> tuple[str, str
     return code, message
 
 
-def run_lines(batch_id: str, line_keys: list[str], precomputed: Any = None) -> dict:
-    """Run a job's lines one by one and store each line's result or error line.
-
-    `precomputed` is what a batched run (worker.rqbatch, through SafeJob) already did
-    with the job: its lines are stored; an exception here is raised as the job's.
-    Raises LinesFailed when lines raised or timed out (RQ retries the job for them),
-    PutBack when the worker was asked to stop with lines left.
-    """
-    ctx = get_context()
-    if isinstance(precomputed, BaseException):
-        raise precomputed
-    if precomputed is not None:
-        return {"lines": len(line_keys)}
-    found = read_lines(ctx, batch_id, line_keys)
-    job = get_current_job()
-    if found.gone:
-        drop_gone(batch_id, job.id if job else None, len(line_keys))
-        return {"lines": len(line_keys), "answered": 0}
-    sink = ctx.lines()
-    failures: dict[str, tuple[str, str]] = {}
-    noted = False
-    try:
-        for i, line in enumerate(found.todo):
-            if sink.gone(batch_id):
-                drop_gone(batch_id, job.id if job else None, len(found.todo) - i)
-                break
-            if i and ctx.stopping():
-                raise PutBack(f"{len(found.todo) - i} line(s) of the job not started")
-            cancelled = found.cancelled or sink.cancelled(batch_id)
-            outcome = settle(ctx, batch_id, line, cancelled)
-            began = time.monotonic()
-            if outcome is None:
-                if not noted:
-                    started(ctx, batch_id)
-                    noted = True
-                try:
-                    with UnixSignalDeathPenalty(line.timeout, JobTimeoutException):
-                        outcome = execute(ctx.pair, ctx.alias, batch_id, line.line, ctx.worker_name)
-                except Exception as exc:  # JobTimeoutException is one too
-                    failures[line.key] = line_failed(batch_id, line, exc)
-                    continue
-            store_outcome(ctx, batch_id, line, outcome, time.monotonic() - began)
-    finally:
-        sink.flush()  # every line stored before RQ hears how the job ended
-    if failures:
-        raise LinesFailed(failures)
-    return {"lines": len(line_keys), "answered": len(found.todo)}
-
-
-def on_job_failure(job, connection: Redis, exc_type, exc_value, traceback) -> None:
-    """RQ failure callback: once a job has no retries left, write the error line of
-    each of its lines still unanswered (`timeout`, `worker_lost` or `internal_error`).
-    Runs in a worker process."""
+def on_job_failure(
+    ctx: WorkerContext | None, job, connection: Redis, exc_type, exc_value, traceback
+) -> None:
+    """RQ failure callback (bound to the worker's context by worker.guard.job_class):
+    once a job has no retries left, write the error line of each of its lines still
+    unanswered (`timeout`, `worker_lost` or `internal_error`). Runs in a worker process."""
     if job.retries_left:
         return  # RQ runs it again
     batch_id, line_keys = job.args
-    keys = _context.keys if _context is not None else Keys.default()
+    keys = ctx.keys if ctx is not None else Keys.default()
     with connection.pipeline(transaction=False) as pipe:
         pipe.hmget(keys.requests(batch_id), line_keys)
         pipe.hmget(keys.errors(batch_id), line_keys)
@@ -314,7 +251,7 @@ def on_job_failure(job, connection: Redis, exc_type, exc_value, traceback) -> No
     else:
         name = exc_type.__name__ if exc_type is not None else "error"
         code, message = "internal_error", f"{name}: {exc_value}"
-    worker = _context.worker_name if _context is not None else None
+    worker = ctx.worker_name if ctx is not None else None
     for key, record, error in zip(line_keys, records, errors, strict=True):
         if record is None or error is not None:
             continue  # answered, or the batch was deleted meanwhile
@@ -334,7 +271,7 @@ def on_job_failure(job, connection: Redis, exc_type, exc_value, traceback) -> No
             dumps(error_line(batch_id, number, custom_id, line_code, f"{line_message} ({tries})")),
             ok=False,
             worker=worker,
-            ttl_s=_context.ttl_s if _context is not None else 0,
+            ttl_s=ctx.ttl_s if ctx is not None else 0,
         )
         log.warning(
             "%s line %d (%s): error %s: %s (%s)",

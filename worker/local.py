@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import engine
 from jobstore.jobfile import JobLine, LineError, validate_file
 from jobstore.lines import dumps, error_line
-from worker.batching import run_lines
+from worker.batching import decode_together
 from worker.execute import Outcome, execute, failure, to_request
 
 log = logging.getLogger("specfleet.run")
@@ -156,7 +156,8 @@ def _run_many(pair, alias: str, batch_id: str, jobs: list[JobLine], max_batch: i
     if max_batch > 1:
         done: dict[int, Outcome] = {}
         try:
-            for job, outcome in run_lines(pair, alias, [(batch_id, j) for j in jobs], max_batch):
+            lines = [(batch_id, j) for j in jobs]
+            for job, outcome in decode_together(pair, alias, lines, max_batch):
                 done[job.line] = outcome
             return done.items()
         except Exception:  # a request the batch cannot take: isolate it below

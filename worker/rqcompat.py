@@ -8,7 +8,8 @@ used. pyproject.toml pins rq to the range tested.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import sys
+from typing import Any, NamedTuple
 
 from rq.executions import Execution
 from rq.job import Job
@@ -22,6 +23,7 @@ PRIVATE_NAMES: list[tuple[type, str, tuple[str, ...] | None]] = [
     (Job, "_failure_callback_name", None),
     (Job, "_stopped_callback_name", None),
     (Queue, "_enqueue_job", ("self", "job", "pipeline", "at_front")),
+    (BaseWorker, "_finalize_success", ("self", "job", "queue", "execution", "return_value")),
     (BaseWorker, "_finalize_failure", ("self", "job", "queue", "execution", "exc_info")),
     (BaseWorker, "_stop_requested", None),
 ]
@@ -60,17 +62,28 @@ def stop_after_this(worker: BaseWorker) -> None:
     worker._stop_requested = True
 
 
-class BeforeFailureHook:
-    """Mixin for an RQ worker class: `before_failure(job, queue, execution, exc_info)`
-    runs before RQ records a job's exception (failure callback, retry, failed registry)
-    and may raise to skip all of that. RQ has no public hook at that point."""
+def finish_job(
+    worker: BaseWorker, job: Job, queue: Queue, execution: Execution, outcome: Any
+) -> bool:
+    """Finish a job whose lines have run, as RQ's `perform_job` does once the job
+    function returned `outcome` or raised it (an exception): the job marked finished
+    (result TTL, success bookkeeping: the worker's `handle_job_success`) or failed
+    (failure callback, retry or failed registry, exception handlers). A success whose
+    bookkeeping raises is recorded as a failure, as RQ does. Returns True for a success.
 
-    def before_failure(self, job: Job, queue: Queue, execution, exc_info) -> None:
-        pass
-
-    def _finalize_failure(self, job, queue, execution, exc_info) -> None:
-        self.before_failure(job, queue, execution, exc_info)
-        super()._finalize_failure(job, queue, execution, exc_info)
+    The runner calls this in place of `perform_job`, having already prepared the job's
+    execution (`prepare_job_execution`) when it claimed it; RQ's own time limit on the
+    whole job is not armed (each line has its own)."""
+    if not isinstance(outcome, BaseException):
+        try:
+            worker._finalize_success(job, queue, execution, outcome)
+            return True
+        except Exception:
+            exc_info = sys.exc_info()
+    else:
+        exc_info = (type(outcome), outcome, outcome.__traceback__)
+    worker._finalize_failure(job, queue, execution, exc_info)
+    return False
 
 
 def forget_dead_executions(job: Job) -> int:

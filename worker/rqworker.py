@@ -8,6 +8,10 @@ forking after Metal is initialised crashes on macOS) with these changes:
   callbacks but ours. Anything else is refused: logged, moved to the failed registry
   with the reason, and reported in `P:refused`. `SafeJob` makes sure RQ itself never
   imports a function or callback a job names, even during registry clean-up.
+- One job runner (worker.runner.JobRunner) runs every job, alone or with --batch N
+  several decoded together, and finishes each in RQ (worker.rqcompat.finish_job) in
+  place of RQ's `perform_job`. The worker's context (worker.jobs.WorkerContext: the
+  pair, the connection, the auditor) is made once at start-up and passed in.
 - Heartbeats: a thread refreshes the job's liveness every HEARTBEAT_INTERVAL_S while
   it runs, and liveness lasts HEARTBEAT_TTL_S, so a long job is not declared
   abandoned and a dead worker's job is noticed within about HEARTBEAT_TTL_S.
@@ -15,8 +19,9 @@ forking after Metal is initialised crashes on macOS) with these changes:
   idle, and from its heartbeat thread while busy (RQ alone only does it while some
   worker is idle), so a dead worker's job is re-queued even when every other worker
   is busy.
-- Time limits: each line has its own (stored with its request), enforced by
-  worker.jobs (one alarm per line); RQ's limit on the whole job is not armed.
+- Time limits: each line has its own (stored with its request), enforced by the
+  runner (one alarm per line, or its deadline in a batch); RQ's limit on the whole job
+  is not armed.
 - Signals: the first SIGTERM/SIGINT finishes the current line, puts the job back at the
   front of its queue if it has lines left, then exits 0; a second one stops now and
   puts the job back (retries untouched) for another worker, exiting 128 + the signal
@@ -29,7 +34,7 @@ forking after Metal is initialised crashes on macOS) with these changes:
 - A job run again after its worker was killed, or delivered twice, ends as a success
   even when RQ still lists the dead run (rqcompat.forget_dead_executions).
 
-RQ private names are used through worker.rqcompat only; --batch N is worker.rqbatch.
+RQ private names are used through worker.rqcompat only.
 """
 
 from __future__ import annotations
@@ -50,9 +55,9 @@ from rq.worker import WorkerStatus
 from jobstore import config
 from jobstore.connection import ReconnectingRetry
 from worker import rqcompat
-from worker.guard import ColdShutdown, Heartbeat, SafeJob, vet
-from worker.jobs import PutBack
-from worker.rqbatch import BatchSession
+from worker.guard import ColdShutdown, SafeJob, vet
+from worker.jobs import WorkerContext
+from worker.runner import JobRunner
 
 __all__ = ["ColdShutdown", "SafeJob", "SpecWorker", "vet"]
 
@@ -81,19 +86,17 @@ class _NoDeathPenalty(BaseDeathPenalty):
         pass
 
 
-class _PutBackDone(BaseException):
-    """Raised once an interrupted job is back in its queue: ends RQ's handling of it."""
+class SpecWorker(SimpleWorker):
+    """See the module docstring. Construct with `job_class=guard.job_class(context)` and
+    the JSON serializer (worker.cli does); `context` is what every job runs with,
+    `stats_key` the worker's `P:worker:W` hash."""
 
-
-class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
-    """See the module docstring. Construct with `job_class=SafeJob` and the JSON
-    serializer (worker.cli does); `stats_key` is the worker's `P:worker:W` hash."""
-
-    death_penalty_class = _NoDeathPenalty  # each line has its own limit (worker.jobs)
+    death_penalty_class = _NoDeathPenalty  # each line has its own limit (worker.runner)
 
     def __init__(
         self,
         *args,
+        context: WorkerContext,
         refused_key: str,
         stats_key: str,
         max_batch: int = 1,
@@ -103,6 +106,7 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
         # Set before RQ's __init__, which reads dequeue_timeout.
         self.heartbeat_interval = config.heartbeat_interval_s()
         self.heartbeat_ttl = config.heartbeat_ttl_s()
+        self.context = context
         self.refused_key = refused_key
         self.stats_key = stats_key
         self.max_batch = max_batch
@@ -123,10 +127,6 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
         self.jobs_left = max_jobs
         return super().work(*args, **kwargs)
 
-    def stop_requested(self) -> bool:
-        """Whether a stop signal asked the worker to stop after its current line."""
-        return rqcompat.stop_requested(self)
-
     # -- running only our job ---------------------------------------------------------
 
     def execute_job(self, job: Job, queue) -> None:
@@ -134,23 +134,10 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
         if reason is not None:
             self.refuse(job.id, queue, reason)
             return
-        if self.max_batch > 1:  # several lines decoded together (worker.rqbatch)
-            session = BatchSession(self, queue, self.max_batch, limit=self.jobs_left)
-            session.run(job)
-            self.set_state(WorkerStatus.IDLE)
-            taken = session.taken
-        else:
-
-            def running():
-                execution = self.execution
-                return [(job, execution)] if execution is not None else []
-
-            with Heartbeat(self, running):
-                try:
-                    super().execute_job(job, queue)
-                except _PutBackDone:
-                    self.set_state(WorkerStatus.IDLE)
-            taken = len(job.args[1])
+        runner = JobRunner(self, queue, self.max_batch, limit=self.jobs_left)
+        runner.run(job)
+        self.set_state(WorkerStatus.IDLE)
+        taken = runner.taken
         if self.jobs_left is not None:
             self.jobs_left -= taken
             if self.jobs_left <= 0:
@@ -258,7 +245,7 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
                 registry = StartedJobRegistry(
                     queue.name,
                     connection=self.connection,
-                    job_class=SafeJob,
+                    job_class=self.job_class,
                     serializer=self.serializer,
                     death_penalty_class=_NoDeathPenalty,
                 )
@@ -342,15 +329,6 @@ class SpecWorker(rqcompat.BeforeFailureHook, SimpleWorker):
         log.warning("second %s: stopping now", signal.Signals(signum).name)
         self.cold_signum = signum
         raise ColdShutdown(signum)
-
-    def before_failure(self, job: Job, queue, execution, exc_info) -> None:
-        if exc_info[0] is ColdShutdown:  # not the job's failure: another worker runs it
-            self.put_back(job, queue, execution)
-            raise SystemExit(128 + exc_info[1].signum)
-        if exc_info[0] is PutBack:  # stopping after a line: the rest for another worker
-            self.put_back(job, queue, execution)
-            log.info("job %s: %s, put back", job.id, exc_info[1])
-            raise _PutBackDone
 
     def put_back(self, job: Job, queue, execution) -> None:
         """Return an interrupted job to the front of its queue for another worker."""
