@@ -3,7 +3,7 @@
     python benchmarks/stub_worker.py [spec-worker options]   # e.g. --burst --batch 8
 
 Everything but the model is the real worker: RQ claiming and vetting, heartbeats and
-the reaper, `worker.jobs.run_lines`, batched claiming (`--batch N`), result lines built
+the reaper, the job runner (`worker.runner`, one job or `--batch N`), result lines built
 by `worker.execute`, and storing through `jobstore.store`. So what it costs Redis per
 line is what a real worker costs it, with the engine's time taken out: the queue
 benchmark (`benchmarks/queue_scale.py`) and the Redis-cost tests use it. The answer is
