@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import engine
-from jobstore.jobfile import JobLine, LineError, validate_file
+from jobstore.jobfile import JobLine, LineError, Verdict, validate_lines
 from jobstore.lines import dumps, error_line
 from worker.batching import decode_together
 from worker.execute import Outcome, execute, failure, to_request
@@ -81,34 +81,25 @@ def run_file(
     summary = RunSummary()
     started = time.perf_counter()
     check = context_check(pair, alias)
-    pending: list[LineError] = []
+    window: list[Verdict] = []
 
-    def flush_invalid() -> None:
-        if pending:
-            message = "; ".join(
-                f"{e.field}: {e.message}" if e.field else e.message for e in pending
-            )
-            line = error_line(
-                batch_id, pending[0].line, pending[0].custom_id, "invalid_request", message
-            )
-            errors_out.write((dumps(line) + "\n").encode())
-            summary.invalid += 1
-            summary.failed += 1
-            summary.lines += 1
-            pending.clear()
-
-    window: list[JobLine | LineError] = []
+    def write_invalid(verdict: Verdict) -> None:
+        line = error_line(
+            batch_id, verdict.line, verdict.custom_id, "invalid_request", verdict.message()
+        )
+        errors_out.write((dumps(line) + "\n").encode())
+        summary.invalid += 1
+        summary.failed += 1
+        summary.lines += 1
 
     def run_window() -> None:
-        runnable = [j for j in window if isinstance(j, JobLine) and _serves(j, alias)]
+        runnable = [v.job for v in window if v.job is not None and _serves(v.job, alias)]
         outcomes = dict(_run_many(pair, alias, batch_id, runnable, max_batch))
-        for entry in window:
-            if isinstance(entry, LineError):
-                if pending and pending[0].line != entry.line:
-                    flush_invalid()
-                pending.append(entry)
+        for verdict in window:
+            entry = verdict.job
+            if entry is None:
+                write_invalid(verdict)
                 continue
-            flush_invalid()
             outcome = outcomes.get(entry.line) or _not_served(alias, batch_id, entry)
             summary.lines += 1
             (out if outcome.ok else errors_out).write((dumps(outcome.line) + "\n").encode())
@@ -127,12 +118,11 @@ def run_file(
                 on_summary(summary)
         window.clear()
 
-    for item in validate_file(path, model_override, check):
-        window.append(item)
-        if sum(isinstance(e, JobLine) for e in window) >= WINDOW_PER_ROW * max_batch:
+    for verdict in validate_lines(path, model_override, check):
+        window.append(verdict)
+        if sum(v.job is not None for v in window) >= WINDOW_PER_ROW * max_batch:
             run_window()
     run_window()
-    flush_invalid()
     summary.seconds = time.perf_counter() - started
     return summary
 
