@@ -3,6 +3,7 @@
 #
 #   bash scripts/test.sh                 # everything
 #   bash scripts/test.sh -m "not slow"   # extra arguments go to pytest
+#   SPEC_TEST_WORKERS=1 bash scripts/test.sh   # one test process (default: 2)
 #
 # Uses the active virtualenv, or creates .venv in the repository root. On Debian as root it
 # apt-installs redis-server (and libopenblas0, an optional speed-up for MLX on the CPU, and
@@ -126,9 +127,15 @@ say "ruff format --check"
 $lint_ok || die "lint failed; \`ruff check --fix . && ruff format .\` fixes most of it"
 
 # --- tests -------------------------------------------------------------------------------
-say "pytest ${*:-}"
+# SPEC_TEST_WORKERS test processes (pytest-xdist; default 2, 1 for one process): each has
+# its own private redis-server, and the suite's waits on real workers overlap.
+workers="${SPEC_TEST_WORKERS:-2}"
+parallel=""
+if [ "$workers" != 1 ]; then parallel="-n $workers"; fi
+say "pytest $parallel ${*:-}"
 rc=0
-"$python" -m pytest -q ${1+"$@"} || rc=$?
+# shellcheck disable=SC2086
+"$python" -m pytest -q $parallel ${1+"$@"} || rc=$?
 case "$rc" in
 0) say "all passed" ;;
 5)
