@@ -146,7 +146,9 @@ def test_a_failed_batch_runs_its_jobs_lines_one_by_one(redis_env, tmp_path):
 
     def worker(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-c", POISONED_WORKER, stubs, "--burst", *args]
-        return subprocess.run(command, env=redis_env.env, capture_output=True, text=True)
+        return subprocess.run(
+            command, env=redis_env.env, capture_output=True, text=True, timeout=120
+        )
 
     assert worker().returncode == 0  # registers the alias
     lines = [{"custom_id": f"p{i}", "prompt": f"x{i}", "max_tokens": 1} for i in range(12)]
