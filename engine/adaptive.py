@@ -332,6 +332,9 @@ class DraftController:
     probe_pending: bool = False  # an accepted probe, judged by the next pricing
     settled: tuple | None = None  # (key, may probe, free offer priced) of a K = 0
     settled_left: int = 0  # steps it may still be reused
+    # Seconds per row a step spends outside its draft and target passes (choosing,
+    # bookkeeping, rollback, compaction), for steps that drafted (True) and did not.
+    overhead: dict = field(default_factory=dict)
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
@@ -418,7 +421,9 @@ class DraftController:
         cost = self._target_pass(rows, width)
         if depth and self.draft is not None and drafted_rows:
             cost += (1 if self.block else depth) * self._draft_pass(drafted_rows)
-        return cost
+        drafting = width > 1
+        per_row = self.overhead.get(drafting, self.overhead.get(not drafting, 0.0))
+        return cost + rows * per_row
 
     def warm_seconds(self, positions: int) -> float:
         """Predicted seconds for the draft model to read `positions` tokens of rows it
@@ -585,6 +590,14 @@ class DraftController:
         if emitted and seconds > 0:
             group = self.realized.setdefault(self.size_class(rows), Realized())
             group.observe(seconds, emitted, drafted)
+
+    def observe_overhead(self, rows: int, seconds: float, drafted: bool) -> None:
+        """Fold the seconds one step spent outside its draft and target passes into the
+        per-row overhead of its kind (drafting or plain): a step that drafts does work a
+        plain one does not (rollback, the draft model's bookkeeping, compaction), and a
+        batch of small rows on a fast device feels it."""
+        if rows and seconds >= 0:
+            _ema(self.overhead, drafted, seconds / rows)
 
     def observe_step(
         self,

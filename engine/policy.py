@@ -245,13 +245,17 @@ class DraftPolicy:
         proposer = self.proposer
         depth = proposer.depth_run if proposer is not None else 0
         members = len(proposer.members) if proposer is not None else 0
+        if outcome.joined:
+            # A step that admitted rows also ran their prefill and the first pass over
+            # the joined cache: not a fair sample of any cost.
+            return
         n_rows = len(outcome.rows)
         ctl.observe_step(n_rows, outcome.width, outcome.verify_s, depth, members, outcome.draft_s)
-        if not outcome.joined:
-            # A step that admitted rows also ran their prefill: not a fair sample.
-            emitted = sum(1 + n for n in outcome.accepted)
-            seconds = time.perf_counter() - outcome.started
-            ctl.observe_realized(n_rows, seconds, emitted, outcome.width > 1)
+        emitted = sum(1 + n for n in outcome.accepted)
+        seconds = time.perf_counter() - outcome.started
+        drafted = outcome.width > 1
+        ctl.observe_realized(n_rows, seconds, emitted, drafted)
+        ctl.observe_overhead(n_rows, seconds - outcome.draft_s - outcome.verify_s, drafted)
 
 
 def _free_draft(row, budget: int) -> list[int]:

@@ -136,6 +136,7 @@ class RaggedRows:
         for layer in self.layers:
             layer.gather(order)
         self.length = keep
+        self.evaluate()
 
     def select(self, rows: list[int]) -> None:
         """Keep only these rows, in this order."""
@@ -146,6 +147,7 @@ class RaggedRows:
         for layer in self.layers:
             layer.select(idx)
         self.drop_dead_head()
+        self.evaluate()
 
     def forget(self, seen: mx.array) -> None:
         """Positions where `seen` (batch, length) is False stop being real: no later
@@ -173,6 +175,21 @@ class RaggedRows:
         for mine, theirs in zip(self.layers, other.layers, strict=True):
             mine.concat(theirs)
         self.checkpoint()  # the joined rows have no common past to roll back into
+        self.evaluate()
+
+    def evaluate(self) -> None:
+        """Compute the rows' arrays now. Rows joining, leaving or compacting copy every
+        layer's state lazily; left lazy, that copy would run inside the next forward
+        pass and be timed as part of it, and the draft-length policy would price that
+        pass shape (and so plain decoding, or a draft length) by a one-off copy."""
+        arrays = [self.valid, self.offset]
+        for layer in self.layers:
+            for value in vars(layer).values():
+                if isinstance(value, mx.array):
+                    arrays.append(value)
+                elif isinstance(value, list):
+                    arrays += [v for v in value if isinstance(v, mx.array)]
+        mx.eval(arrays)
 
     def _pad_left(self, n: int) -> None:
         self.valid = mx.concatenate([mx.zeros((self.batch, n), dtype=mx.bool_), self.valid], axis=1)

@@ -179,3 +179,39 @@ def test_accepted_probes_where_drafting_still_does_not_pay_come_less_and_less_of
             ctl.probe_result(1, 1)  # this probe's draft was right, by chance
     assert 0 < probes <= 7  # intervals 8, 16, ..., 256 (a reset to 8 would make ~75)
     assert k == 0
+
+
+def test_work_outside_the_passes_is_priced_per_step_kind():
+    # The passes alone say drafting pays at 4 rows (test_the_model_alone_would_draft;
+    # a pass costs about 1 unit there, and 8 drafts at acceptance 0.9 emit 6 tokens a
+    # row); a drafting step that spends 4 units more per row outside its passes than a
+    # plain one does not, whatever its passes cost.
+    ctl = _controller()
+    ctl.observe_overhead(4, 0.02, drafted=False)
+    ctl.observe_overhead(4, 16.0, drafted=True)
+    assert ctl.step_seconds(4, 2, 0, 0) - ctl.step_seconds(4, 1, 0, 0) > 4 * 3.9
+    got = _choices(ctl, 4, steps=64)
+    assert got.count(0) >= 60 and max(got) <= 1  # plain, with the odd one-token probe
+
+
+def test_a_step_that_admitted_rows_prices_nothing():
+    # Its wall clock and its first pass over the joined cache hold one-off work (the
+    # prefill, the joining copy): folded in, they would price plain decoding at that
+    # batch size by a copy, for as long as no other plain step runs there.
+    from engine.policy import Choice, DraftPolicy, Outcome
+
+    class Row:
+        plan, fixed_k, greedy_auto = None, None, False
+
+    ctl = _controller()
+    policy = DraftPolicy(ctl, None)
+    rows = [Row() for _ in range(4)]
+
+    def outcome(joined: bool) -> Outcome:
+        choices = [Choice() for _ in rows]
+        return Outcome(rows, choices, [[]] * 4, [0] * 4, 1, 0.0, 0.5, 0.0, joined)
+
+    policy.observe(outcome(joined=True))
+    assert ctl.live_target == {} and ctl.overhead == {} and ctl.realized == {}
+    policy.observe(outcome(joined=False))
+    assert (4, 1) in ctl.live_target and False in ctl.overhead and ctl.realized
