@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
+from .families import make_ragged_cache
 from .policy import (
     DECAY,
     EMA,
@@ -42,6 +43,7 @@ from .policy import (
     LOOKUP_MAX_DRAFT,
     MARGIN,
     MAX_AUTO_DRAFT,
+    BATCH_SIZES,
     PASS_SIZES,
     PRIOR_ACCEPTANCE,
     PRIOR_WEIGHT,
@@ -139,6 +141,28 @@ def measure_pass_costs(model, sizes=PASS_SIZES, reps: int = 2, context: int = 32
             trim_prompt_cache(cache, n)
         points[n] = best
     return PassCosts(points)
+
+
+def measure_batch_steps(model, curve: PassCosts, sizes=BATCH_SIZES, reps: int = 2) -> dict:
+    """{(b, 1): factor}: a plain decode step over b rows (one position each, after a
+    short context, in the decoder's own ragged cache), timed, over the one-row curve's
+    value at b positions. b rows of one position cost more than one row of b positions
+    (b contexts to attend, b masks): without this, plain decoding at a batch size where
+    "auto" has only drafted so far would be priced by the curve alone."""
+    factors = {}
+    for b in sizes:
+        rows, cache = make_ragged_cache(model, b)
+        model(mx.array([[1] * 32] * b), cache=cache)
+        rows.advance(32, [32] * b)
+        rows.evaluate()
+        best = float("inf")
+        for _ in range(reps + 1):  # the first pass warms up kernels
+            t0 = time.perf_counter()
+            mx.eval(model(mx.array([[1]] * b), cache=cache))
+            best = min(best, time.perf_counter() - t0)
+            rows.advance(1, [1] * b)
+        factors[(b, 1)] = best / curve._curve(b)
+    return factors
 
 
 def measure_block_costs(drafter, target, sizes=(1, 2, 4, 8, 16, 32), reps: int = 2) -> PassCosts:
@@ -332,8 +356,8 @@ class DraftController:
     probe_pending: bool = False  # an accepted probe, judged by the next pricing
     settled: tuple | None = None  # (key, may probe, free offer priced) of a K = 0
     settled_left: int = 0  # steps it may still be reused
-    # Seconds per row a step spends outside its draft and target passes (choosing,
-    # bookkeeping, rollback, compaction), for steps that drafted (True) and did not.
+    # (size class, drafted) -> seconds a step spends outside its draft and target passes
+    # (choosing, bookkeeping, rollback, compaction), for steps that drafted and did not.
     overhead: dict = field(default_factory=dict)
 
     @classmethod
@@ -345,8 +369,10 @@ class DraftController:
         if dflash is not None:
             d_params = dflash.info().get("parameters", t_params // 10)
         static = static_costs(t_params, d_params, on_gpu)
+        live_target = {}
         if calibrate:
             target = measure_pass_costs(pair.target)
+            live_target = measure_batch_steps(pair.target, target)
             if dflash is not None:
                 draft = dflash.measure_costs(pair.target)
             else:
@@ -363,6 +389,7 @@ class DraftController:
             static=static,
             block=dflash is not None and dflash.block,
             calibrated=calibrate,
+            live_target=live_target,
         )
 
     def plan(self, drafter: str, greedy: bool, k_max: int = MAX_AUTO_DRAFT) -> DraftPlan:
@@ -388,10 +415,11 @@ class DraftController:
 
     # -- the batch's draft length --------------------------------------------------
     def _target_pass(self, rows: int, width: int) -> float:
-        # live_target holds, per (rows, width) that ran, measured seconds over the curve's
-        # own (unscaled) value. A shape that ran is priced by its factor; another by the
-        # nearest measured batch size of the same width, else this batch's plain pass,
-        # else the curve's load factor.
+        # live_target holds, per (rows, width) measured, its seconds over the curve's own
+        # (unscaled) value; plain steps (width 1) of a few batch sizes are measured at
+        # start-up. A shape measured is priced by its factor; another by the nearest
+        # measured batch size of the same width, else this batch's plain pass, else
+        # the curve's load factor.
         curve = self.target._curve(rows * width)
         factor = self.live_target.get((rows, width))
         if factor is None:
@@ -421,9 +449,20 @@ class DraftController:
         cost = self._target_pass(rows, width)
         if depth and self.draft is not None and drafted_rows:
             cost += (1 if self.block else depth) * self._draft_pass(drafted_rows)
-        drafting = width > 1
-        per_row = self.overhead.get(drafting, self.overhead.get(not drafting, 0.0))
-        return cost + rows * per_row
+        return cost + self._overhead(rows, width > 1)
+
+    def _overhead(self, rows: int, drafting: bool) -> float:
+        # This size class's steps of this kind; else of the other kind (no bias either
+        # way); else the nearest class's of this kind, per row.
+        size = self.size_class(rows)
+        for key in ((size, drafting), (size, not drafting)):
+            if key in self.overhead:
+                return self.overhead[key]
+        near = [c for c, d in self.overhead if d == drafting]
+        if not near:
+            return 0.0
+        c = min(near, key=lambda c: abs(c - size))
+        return self.overhead[(c, drafting)] * rows / (1 << (c - 1))
 
     def warm_seconds(self, positions: int) -> float:
         """Predicted seconds for the draft model to read `positions` tokens of rows it
@@ -593,11 +632,11 @@ class DraftController:
 
     def observe_overhead(self, rows: int, seconds: float, drafted: bool) -> None:
         """Fold the seconds one step spent outside its draft and target passes into the
-        per-row overhead of its kind (drafting or plain): a step that drafts does work a
-        plain one does not (rollback, the draft model's bookkeeping, compaction), and a
-        batch of small rows on a fast device feels it."""
+        overhead of its kind (drafting or plain) at its batch-size class: a step that
+        drafts does work a plain one does not (rollback, the draft model's bookkeeping,
+        compaction), and a batch of small rows on a fast device feels it."""
         if rows and seconds >= 0:
-            _ema(self.overhead, drafted, seconds / rows)
+            _ema(self.overhead, (self.size_class(rows), drafted), seconds)
 
     def observe_step(
         self,

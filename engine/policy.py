@@ -56,6 +56,8 @@ SETTLED_STEPS = 16
 PROBE_BUDGET = 0.01
 #: Pass sizes (positions) timed at start-up for the pass-cost curves.
 PASS_SIZES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320)
+#: Batch sizes whose plain decode step (rows of one position) is timed at start-up.
+BATCH_SIZES = (2, 4, 8, 16, 32)
 #: A greedy "auto" row drafted by the model takes lookup drafts only where its last
 #: HYBRID_MIN_NGRAM tokens occurred before: single-token matches are too often chance
 #: (measured on code: 2.1 tokens accepted per 1-gram proposal, 2.9 per 2-gram one).

@@ -214,4 +214,17 @@ def test_a_step_that_admitted_rows_prices_nothing():
     policy.observe(outcome(joined=True))
     assert ctl.live_target == {} and ctl.overhead == {} and ctl.realized == {}
     policy.observe(outcome(joined=False))
-    assert (4, 1) in ctl.live_target and False in ctl.overhead and ctl.realized
+    assert (4, 1) in ctl.live_target and ctl.realized
+    assert (DraftController.size_class(4), False) in ctl.overhead
+
+
+def test_plain_steps_of_a_batch_are_priced_from_a_measured_batch_pass():
+    # Rows of one position cost more than one row of as many positions; a batch size at
+    # which "auto" has only drafted so far still has its plain step measured (at start-up).
+    from engine.policy import BATCH_SIZES
+
+    ctl = engine.load_pair().controller
+    for b in BATCH_SIZES:
+        factor = ctl.live_target[(b, 1)]
+        assert factor > 0
+        assert ctl._target_pass(b, 1) == ctl.target._curve(b) * factor
