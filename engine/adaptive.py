@@ -35,6 +35,7 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .families import make_ragged_cache
 from .policy import (
+    BATCH_SIZES,
     DECAY,
     EMA,
     GUARD_EMA,
@@ -43,7 +44,6 @@ from .policy import (
     LOOKUP_MAX_DRAFT,
     MARGIN,
     MAX_AUTO_DRAFT,
-    BATCH_SIZES,
     PASS_SIZES,
     PRIOR_ACCEPTANCE,
     PRIOR_WEIGHT,
