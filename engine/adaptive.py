@@ -12,7 +12,13 @@ compete for the same compute).
 Pass costs are a curve of seconds against positions per pass, measured once per
 model at start-up (`measure_pass_costs`) and rescaled as a whole by live timings,
 so a load burst slows every K alike and no K is shunned for good; batch sizes in
-between measured points are interpolated.
+between measured points are interpolated. Each (rows, width) shape that runs keeps
+its own factor over the curve, and a plain step of a few batch sizes is timed at
+start-up too (`measure_batch_steps`), so plain decoding is priced from a measured
+batch pass where "auto" has only drafted so far. A step's price also holds what a
+step of its kind (drafting or plain) spends outside its passes, per batch-size
+class (`observe_overhead`). A step that admitted rows prices nothing: it also ran
+their prefill and the copy that joined them.
 
 Greedy requests use these live costs: their output cannot depend on K. Sampled
 requests follow a static, per-request schedule (`DraftPlan`) fixed by the pair and
