@@ -647,6 +647,10 @@ class _ContextLayer(MaskedLayer):
         self.keys[i][..., start : start + n, :] = k
         self.values[i][..., start : start + n, :] = v
 
+    def arrays(self) -> list[mx.array]:
+        """Every array this layer holds (what `RaggedRows.evaluate` computes)."""
+        return [*self.keys, *self.values, self.positions]
+
     def add_positions(self, length: mx.array, n: int) -> None:
         """The RoPE positions of the next n slots of rows now `length` tokens long."""
         new = (length[:, None] + mx.arange(n)[None, :]).astype(mx.int32)

@@ -244,13 +244,13 @@ class DraftPolicy:
             return
         if ctl.probing and probe is not None:
             ctl.probe_result(*probe)
-        proposer = self.proposer
-        depth = proposer.depth_run if proposer is not None else 0
-        members = len(proposer.members) if proposer is not None else 0
         if outcome.joined:
             # A step that admitted rows also ran their prefill and the first pass over
             # the joined cache: not a fair sample of any cost.
             return
+        proposer = self.proposer
+        depth = proposer.depth_run if proposer is not None else 0
+        members = len(proposer.members) if proposer is not None else 0
         n_rows = len(outcome.rows)
         ctl.observe_step(n_rows, outcome.width, outcome.verify_s, depth, members, outcome.draft_s)
         emitted = sum(1 + n for n in outcome.accepted)

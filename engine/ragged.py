@@ -19,6 +19,8 @@ off the same rows: `advance`, `drop_last`, `checkpoint`, `select`, `append` and
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import mlx.core as mx
 
 from .types import CacheError
@@ -184,11 +186,7 @@ class RaggedRows:
         pass shape (and so plain decoding, or a draft length) by a one-off copy."""
         arrays = [self.valid, self.offset]
         for layer in self.layers:
-            for value in vars(layer).values():
-                if isinstance(value, mx.array):
-                    arrays.append(value)
-                elif isinstance(value, list):
-                    arrays += [v for v in value if isinstance(v, mx.array)]
+            arrays += layer.arrays()
         mx.eval(arrays)
 
     def _pad_left(self, n: int) -> None:
@@ -196,6 +194,43 @@ class RaggedRows:
         for layer in self.layers:
             layer.pad_left(n)
         self.length += n
+
+
+class RowLayer(Protocol):
+    """What `RaggedRows` calls on every layer kind that hangs off its rows: the KV
+    cache of an attention layer (`RaggedLayerCache`), a recurrent layer's state
+    (recurrent.RecurrentLayerCache) and the DFlash drafter's context
+    (dflash._ContextLayer)."""
+
+    def settle(self, n_new: int, keep: list[int]) -> None:
+        """A forward pass over n_new positions ended; row i keeps the first keep[i]."""
+
+    def checkpoint(self) -> None:
+        """No rollback will reach back past this point."""
+
+    def forget_oldest(self) -> None:
+        """The oldest pass in the rollback history will never be rolled back into."""
+
+    def rewind(self, plan) -> None:
+        """Undo the rows' last tokens (`RaggedRows.drop_last`'s plan)."""
+
+    def gather(self, order: mx.array) -> None:
+        """Reorder every row's slots (compaction)."""
+
+    def select(self, idx: mx.array) -> None:
+        """Keep only these rows, in this order."""
+
+    def shift(self, start: int) -> None:
+        """Drop the first `start` slots of every row."""
+
+    def pad_left(self, n: int) -> None:
+        """Put n empty slots before every row's first."""
+
+    def concat(self, other) -> None:
+        """Add the rows of the same layer of another cache, padded to the same length."""
+
+    def arrays(self) -> list[mx.array]:
+        """Every array the layer holds (what `RaggedRows.evaluate` computes)."""
 
 
 class MaskedLayer:
@@ -267,6 +302,10 @@ class RaggedLayerCache(MaskedLayer):
     @property
     def state(self):
         return self.keys, self.values
+
+    def arrays(self) -> list[mx.array]:
+        """Every array this layer holds (what `RaggedRows.evaluate` computes)."""
+        return [] if self.keys is None else [self.keys, self.values]
 
     def is_trimmable(self) -> bool:
         return True

@@ -122,6 +122,10 @@ class RecurrentLayerCache:
     def state(self):
         return [c for c in self.cache if c is not None]
 
+    def arrays(self) -> list[mx.array]:
+        """Every array this layer holds (what `RaggedRows.evaluate` computes)."""
+        return self.state
+
     def empty(self) -> bool:
         return self.cache[0] is None
 

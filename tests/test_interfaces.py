@@ -104,3 +104,32 @@ def test_fixed_and_sampled_rows_draft_what_they_ask_within_budget_and_cap():
     proposer.max_draft = 3  # a block drafter's cap
     choices = policy.DraftPolicy(None, proposer).choose([_row(0, "model", 8, None)])
     assert choices[0].k == 3
+
+
+def test_every_layer_kind_declares_the_row_layer_interface():
+    # RaggedRows calls these on every layer kind hanging off its rows; one missing
+    # would surface only when a batch of that family first compacts or joins.
+    from engine import dflash, ragged, recurrent
+
+    wanted = [name for name in vars(ragged.RowLayer) if not name.startswith("_") and name != "mro"]
+    assert "arrays" in wanted and "concat" in wanted
+    for kind in (ragged.RaggedLayerCache, recurrent.RecurrentLayerCache, dflash._ContextLayer):
+        missing = [name for name in wanted if not callable(getattr(kind, name, None))]
+        assert not missing, f"{kind.__name__} lacks {missing}"
+
+
+def test_each_layer_kind_names_the_arrays_it_holds():
+    import mlx.core as mx
+
+    from engine import ragged, recurrent
+
+    rows = ragged.RaggedRows(2)
+    kv = ragged.RaggedLayerCache(rows)
+    rec = recurrent.RecurrentLayerCache(rows, 2)
+    assert kv.arrays() == [] and rec.arrays() == []
+    kv.update_and_fetch(mx.ones((2, 1, 3, 4)), mx.ones((2, 1, 3, 4)))
+    rec[1] = mx.ones((2, 5))
+    assert [id(a) for a in kv.arrays()] == [id(kv.keys), id(kv.values)]
+    assert [id(a) for a in rec.arrays()] == [id(rec[1])]
+    rows.advance(3, [3, 2])
+    rows.evaluate()

@@ -402,10 +402,16 @@ def set_line_timeout(redis_env, batch: str, line_key: str, seconds: int) -> None
 
 
 def _wait_running(redis_env, batch: str, timeout: float = 60) -> None:
+    """Until a worker decodes a line of the batch: its job taken (RQ's started registry)
+    and a line handed to the engine (the batch's `started_at`). A job only taken has
+    no line running yet: a stop then puts the whole job back."""
     registry = StartedJobRegistry(redis_env.keys.queue_name("demo"), connection=redis_env.conn)
     deadline = time.monotonic() + timeout
-    while not any(j.startswith(batch) for j in registry.get_job_ids(cleanup=False)):
-        assert time.monotonic() < deadline, "no job started"
+    while not (
+        any(j.startswith(batch) for j in registry.get_job_ids(cleanup=False))
+        and redis_env.conn.hexists(redis_env.keys.batch(batch), "started_at")
+    ):
+        assert time.monotonic() < deadline, "no line started"
         time.sleep(0.02)
 
 
