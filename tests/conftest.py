@@ -137,23 +137,39 @@ def redis_env(redis_url, monkeypatch) -> RedisEnv:
     conn.close()
 
 
-@pytest.fixture(scope="session")
-def slow_pair_args(tmp_path_factory) -> list[str]:
-    """spec-worker arguments for a random pair slow enough (tens of ms per token, and
-    no early end of text) that a job outlives signals and heartbeat TTLs in tests of
-    worker liveness, whatever the demo pair's speed. Served under the alias "demo"."""
+#: Where the test-only `sitecustomize` lives that slows a worker's decode steps.
+SLEEPY = Path(__file__).resolve().parent / "sleepy"
+#: Each decode step of a worker serving the slow pair waits this long (tests/sleepy).
+STEP_SLEEP_S = 0.015
+#: Target folders of the slow pairs built this session (worker_env looks for them).
+SLOW_TARGETS: set[str] = set()
+
+
+def worker_env(env: dict, args) -> dict:
+    """The environment of a spec-worker started with `args`: a worker that serves the
+    slow pair waits STEP_SLEEP_S in every decode step, so its jobs are long by waiting
+    and leave the CPU to the tests running beside them."""
+    if not SLOW_TARGETS.intersection(args):
+        return env
+    path = os.pathsep.join(p for p in (str(SLEEPY), env.get("PYTHONPATH", "")) if p)
+    return dict(env, PYTHONPATH=path, SPEC_TEST_STEP_SLEEP_S=str(STEP_SLEEP_S))
+
+
+def _random_pair(root: Path, hidden: int, layers: int) -> list[str]:
+    """spec-worker arguments for a random target (hidden x layers) and a tiny random
+    draft on the test tokenizer, served under the alias "demo". Random weights at this
+    scale never end a text early."""
     import json
 
     from tiny_models import build_llama, build_tokenizer
 
-    root = tmp_path_factory.mktemp("slow-pair")
     build_tokenizer(root / "tok")
     vocab = len(json.loads((root / "tok" / "tokenizer.json").read_text())["model"]["vocab"])
     build_llama(
         root / "target",
         vocab_size=vocab,
-        hidden=512,
-        layers=6,
+        hidden=hidden,
+        layers=layers,
         seed=1,
         scale=3.0,
         tokenizer_from=root / "tok",
@@ -170,6 +186,25 @@ def slow_pair_args(tmp_path_factory) -> list[str]:
     return ["--target", str(root / "target"), "--draft", str(root / "draft"), "--alias", "demo"]
 
 
+@pytest.fixture(scope="session")
+def slow_pair_args(tmp_path_factory) -> list[str]:
+    """spec-worker arguments for a pair slow enough (STEP_SLEEP_S and more per step, and
+    no early end of text) that a job outlives signals and heartbeat TTLs in tests of
+    worker liveness, whatever the machine's speed. The pair itself is small and fast:
+    its workers wait in each step (worker_env), they do not compute."""
+    args = _random_pair(tmp_path_factory.mktemp("slow-pair"), hidden=128, layers=2)
+    SLOW_TARGETS.add(args[1])
+    return args
+
+
+@pytest.fixture(scope="session")
+def busy_pair_args(tmp_path_factory) -> list[str]:
+    """Like slow_pair_args, but slow by computing (a 768-wide, 6-layer target, over 10 ms
+    per token on a CPU): for the tests of what a worker does while its job keeps the
+    CPU busy."""
+    return _random_pair(tmp_path_factory.mktemp("busy-pair"), hidden=768, layers=6)
+
+
 class WorkerProcess:
     """A real `spec-worker` subprocess, logging to a file; stopped at teardown."""
 
@@ -178,7 +213,7 @@ class WorkerProcess:
         self._log = open(log_path, "wb")
         self.proc = subprocess.Popen(
             [script("spec-worker"), *args],
-            env=env.env,
+            env=worker_env(env.env, args),
             stdout=self._log,
             stderr=subprocess.STDOUT,
         )

@@ -36,8 +36,10 @@ def _started_expiry(redis_env, batch: str) -> float | None:
 
 
 def test_a_long_job_keeps_its_heartbeat_and_runs_once(
-    redis_env, start_worker, slow_pair_args, tmp_path
+    redis_env, start_worker, busy_pair_args, tmp_path
 ):
+    # On the busy pair: the job computes for its whole length, as a real one does, and
+    # the worker's heartbeat thread must still get its turn.
     # A TTL of 2 s, not 1: on a loaded 2-core machine the heartbeat thread of a worker
     # whose job computes has waited over a second for the CPU (a CI run of this suite
     # saw the job abandoned by its own worker at 1 s). Still far below the job's length.
@@ -45,7 +47,7 @@ def test_a_long_job_keeps_its_heartbeat_and_runs_once(
     jobs = write_jobs(tmp_path / "jobs.jsonl", [{"custom_id": "long", **LONG}])
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    worker = start_worker("--burst", *slow_pair_args)
+    worker = start_worker("--burst", *busy_pair_args)
     _wait_running(redis_env, batch)
     first = _started_expiry(redis_env, batch)
     # Pushed forward within 3 s (registry scores are whole seconds), while still running.
