@@ -44,6 +44,7 @@ from .policy import (
     BATCH_SIZES,
     DECAY,
     EMA,
+    FREE_SLACK,
     GUARD_EMA,
     GUARD_MIN_STEPS,
     LIVE_EMA,
@@ -357,6 +358,10 @@ class DraftController:
     calibrated: bool = True  # curves in seconds (else decode-step units)
     live_target: dict = field(default_factory=dict)  # (rows, width) -> measured / curve
     live_draft: dict = field(default_factory=dict)  # rows -> measured / curve, one pass
+    # (rows, width > 1) -> its live_target factor over the plain (rows, 1) one when it ran:
+    # a pass's seconds grow with the rows' context, so a drafting shape measured early in
+    # the rows' lives is priced by how plain decoding costs now, not by its own old seconds.
+    live_relative: dict = field(default_factory=dict)
     realized: dict = field(default_factory=dict)  # size class -> Realized: the guard's evidence
     probe_rows: int = 0  # batch size of the last probe
     probe_pending: bool = False  # an accepted probe, judged by the next pricing
@@ -423,11 +428,14 @@ class DraftController:
     def _target_pass(self, rows: int, width: int) -> float:
         # live_target holds, per (rows, width) measured, its seconds over the curve's own
         # (unscaled) value; plain steps (width 1) of a few batch sizes are measured at
-        # start-up. A shape measured is priced by its factor; another by the nearest
-        # measured batch size of the same width, else this batch's plain pass, else
-        # the curve's load factor.
+        # start-up. A drafting shape measured is priced by its share of this batch
+        # size's plain pass (live_relative) times the plain pass now; a plain shape by
+        # its factor; another by the nearest measured batch size of the same width, else
+        # this batch's plain pass, else the curve's load factor.
         curve = self.target._curve(rows * width)
-        factor = self.live_target.get((rows, width))
+        plain = self.live_target.get((rows, 1))
+        relative = self.live_relative.get((rows, width)) if plain is not None else None
+        factor = relative * plain if relative is not None else self.live_target.get((rows, width))
         if factor is None:
             near = [b for (b, w) in self.live_target if w == width]
             if near:
@@ -496,24 +504,32 @@ class DraftController:
         fixed_depth = max((f.k for f in fixed if f.model), default=0)
         positions, horizon = warm
         warm_s = self.warm_seconds(positions) if positions else 0.0
+        # Expected and perfect tokens of the step at each K, one group at a time (a
+        # group's expected tokens grow by a power of its acceptance per K, up to its cap).
+        size = k_max + 1
+        tokens, perfect = [base_tokens] * size, [base_tokens] * size
+        cap_all = cap_model = 0
+        for (a, cap, free), n in groups.items():
+            cap_all = max(cap_all, cap)
+            if not free:
+                cap_model = max(cap_model, cap)
+            e, power = 1.0, a  # expected tokens at K = 0; a ** (K + 1)
+            for k in range(size):
+                if 0 < k <= cap:
+                    power *= a
+                    e = k + 1.0 if a >= 1.0 else (1.0 - power) / (1.0 - a)
+                tokens[k] += n * e
+                perfect[k] += n * (min(k, cap) + 1.0)
         rates, ceilings = [], []
-        for k in range(k_max + 1):
-            tokens = perfect = base_tokens
-            width, drafted = fixed_width, 0
-            for (a, cap, free), n in groups.items():
-                kk = min(k, cap)
-                tokens += n * expected_tokens(a, kk)
-                perfect += n * (kk + 1.0)
-                width = max(width, kk)
-                if not free:
-                    drafted = max(drafted, kk)
-            depth = max(fixed_depth, drafted)
+        for k in range(size):
+            width = max(fixed_width, min(k, cap_all))
+            depth = max(fixed_depth, min(k, cap_model))
             seconds = self.step_seconds(rows, width + 1, depth, drafted_rows)
             if warm_s and depth:
                 # Steps the cold rows have left at this K's pace: horizon / tokens per row-step.
-                seconds += warm_s * min((tokens / rows) / max(horizon, 1.0), 1.0)
-            rates.append(tokens / seconds)
-            ceilings.append(perfect / seconds)
+                seconds += warm_s * min((tokens[k] / rows) / max(horizon, 1.0), 1.0)
+            rates.append(tokens[k] / seconds)
+            ceilings.append(perfect[k] / seconds)
         return rates, ceilings
 
     def choose_batch_k(
@@ -532,8 +548,8 @@ class DraftController:
         `warm` may be a function giving that pair, called only when the step is priced.
         `key`, if given, sums up the batch (its rows and their acceptance, not the caps):
         while it is unchanged, a K = 0 decision holds for SETTLED_STEPS steps unpriced,
-        unless the rows' free drafts offer more than any step priced since (a shrinking
-        budget only removes K's that did not pay)."""
+        unless the rows' free drafts offer clearly more than any step priced since
+        (FREE_SLACK; a shrinking budget only removes K's that did not pay)."""
         self.probing = False
         if not auto:
             return 0
@@ -587,7 +603,12 @@ class DraftController:
 
     def _settle(self, key, free: tuple[int, int], may_probe: bool) -> None:
         if key is not None:
-            self.settled, self.settled_left = (key, may_probe, free), SETTLED_STEPS
+            rows, tokens = free
+            bound = (
+                rows + max(1, int(rows * FREE_SLACK)),
+                tokens + max(2, int(tokens * FREE_SLACK)),
+            )
+            self.settled, self.settled_left = (key, may_probe, bound), SETTLED_STEPS
 
     def _maybe_probe(self, rows: int) -> int:
         self.steps_since_probe += 1
@@ -657,7 +678,11 @@ class DraftController:
         seconds of this exact shape (a batch pass is not priced well by a one-row curve:
         per-row overheads make a draft pass over many rows cost about a target pass)."""
         self.target.observe(rows * width, verify_s)
-        _ema(self.live_target, (rows, width), verify_s / self.target._curve(rows * width))
+        factor = verify_s / self.target._curve(rows * width)
+        _ema(self.live_target, (rows, width), factor)
+        plain = self.live_target.get((rows, 1))
+        if width > 1 and plain is not None:
+            _ema(self.live_relative, (rows, width), factor / plain)
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
             per_pass = draft_s / (1 if self.block else depth)
             self.draft.observe(drafted_rows, per_pass)

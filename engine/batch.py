@@ -22,7 +22,7 @@ one place a pair's decoder is picked.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import mlx.core as mx
 
@@ -58,10 +58,11 @@ class _Row:
     lookup: LookupIndex | None = None  # lookup drafter, or greedy auto "model" (hybrid)
     generated: int = 0
     cached_tokens: int = 0  # prompt tokens whose target state came from the prefix cache
+    # A greedy "auto" row (the batch picks its draft length); read every step, so kept.
+    greedy_auto: bool = field(init=False)
 
-    @property
-    def greedy_auto(self) -> bool:
-        return self.params.greedy and self.fixed_k is None and self.plan is not None
+    def __post_init__(self) -> None:
+        self.greedy_auto = self.params.greedy and self.fixed_k is None and self.plan is not None
 
     def budget(self) -> int:
         # Never draft past max_tokens: the step's own target token is the last one.

@@ -19,6 +19,7 @@ from __future__ import annotations
 import itertools
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from contract.limits import MAX_DRAFT_TOKENS
 
@@ -52,6 +53,11 @@ GUARD_EMA = 0.1
 #: Steps a K = 0 decision is reused unpriced while the batch summary stays the same
 #: (pricing costs about a tenth of a small model's decode step).
 SETTLED_STEPS = 16
+#: A reused K = 0 is priced again before then only if the rows' free (prompt-lookup)
+#: drafts grow past what was priced by more than this share (at least one row and two
+#: tokens more): the offer changes a little most steps, and pricing each change cost
+#: more than the rare small offer that would have paid.
+FREE_SLACK = 0.25
 #: A failed probe waits long enough that probes cost at most this share of the steps.
 PROBE_BUDGET = 0.01
 #: Pass sizes (positions) timed at start-up for the pass-cost curves.
@@ -68,17 +74,16 @@ HYBRID_MIN_NGRAM = 2
 _EPOCHS = itertools.count()
 
 
-@dataclass(frozen=True)
-class AutoRow:
-    """A greedy "auto" row as the batch chooser sees it for one step."""
+class AutoRow(NamedTuple):
+    """A greedy "auto" row as the batch chooser sees it for one step (a tuple: one is
+    made per row and step)."""
 
     acceptance: float
     cap: int  # most drafts this row can take (its proposal length, budget, drafter cap)
     free: bool  # its drafts need no draft-model pass (prompt lookup)
 
 
-@dataclass(frozen=True)
-class FixedRow:
+class FixedRow(NamedTuple):
     """A row whose draft length is already fixed this step (a number, or a sampled plan)."""
 
     k: int
@@ -133,53 +138,62 @@ class DraftPolicy:
     def choose(self, rows: list) -> list[Choice]:
         """Every row's draft this step (a lookup proposal's tokens included)."""
         choices = [Choice() for _ in rows]
-        auto, fixed, auto_rows = [], [], []
+        auto, fixed, auto_rows, held = [], [], [], []
         proposer = self.proposer
         # Rows the draft model would run over if it drafted (cold ones included).
         drafted_rows = len(proposer.members) + len(self._cold()) if proposer is not None else 0
         for row, c in zip(rows, choices, strict=True):
-            budget = row.budget()
-            if row.drafter == "none" or budget == 0:
+            # Never draft past max_tokens: the step's own target token is the last one.
+            budget = min(MAX_DRAFT_TOKENS, row.max_tokens - row.generated - 1)
+            if budget <= 0 or row.drafter == "none":
                 continue
+            plan = row.plan
             if row.greedy_auto:
-                free = _free_draft(row, budget)
+                # This runs for every row of every step: kept to plain attribute reads.
+                rate = plan.acceptance.rate
+                held.append(rate)
+                free = None
+                if row.lookup is not None:
+                    own = plan.lookup
+                    free = row.lookup.propose(
+                        min(budget, own.k_max if own is not None else MAX_AUTO_DRAFT)
+                    )
                 if free:
                     c.tokens, c.source = free, "lookup"
-                    a = (
-                        row.plan.lookup.acceptance.rate
-                        if row.plan.lookup
-                        else row.plan.acceptance.rate
+                    own = plan.lookup
+                    auto.append(
+                        AutoRow(own.acceptance.rate if own is not None else rate, len(free), True)
                     )
-                    auto.append(AutoRow(a, len(free), free=True))
                 else:
                     c.source = "model"
-                    auto.append(
-                        AutoRow(row.plan.acceptance.rate, min(budget, MAX_AUTO_DRAFT), False)
-                    )
+                    auto.append(AutoRow(rate, min(budget, MAX_AUTO_DRAFT), False))
                 auto_rows.append((row, c))
                 continue
-            k = row.fixed_k if row.fixed_k is not None else row.plan.choose()
+            k = row.fixed_k if row.fixed_k is not None else plan.choose()
             k = min(k, budget, self._model_cap() if row.drafter == "model" else k)
             c.k, c.source = k, row.drafter if k else "none"
             if k and row.drafter == "lookup":
                 c.tokens = row.lookup.propose(k)
                 c.k = len(c.tokens)
                 c.source = "lookup" if c.k else "none"
-            rate = row.plan.acceptance.rate if row.plan is not None else PRIOR_ACCEPTANCE
+            rate = plan.acceptance.rate if plan is not None else PRIOR_ACCEPTANCE
             fixed.append(FixedRow(c.k, rate, row.drafter == "model"))
         if auto:
-            self._choose_auto(auto, fixed, auto_rows, drafted_rows)
+            self._choose_auto(auto, fixed, auto_rows, drafted_rows, tuple(held))
         return choices
 
-    def _choose_auto(self, auto, fixed, auto_rows, drafted_rows: int) -> None:
-        # What a reused K = 0 depends on: the rows and their acceptance (constant
+    def _choose_auto(self, auto, fixed, auto_rows, drafted_rows: int, held: tuple) -> None:
+        # What a reused K = 0 depends on: the rows and their acceptance (`held`, constant
         # while nothing drafts), not the caps of this step's drafts (see choose_batch_k).
-        held = tuple(r.plan.acceptance.rate for r, _ in auto_rows)
         key = (self._epoch, drafted_rows, held, tuple(fixed))
         k = self.controller.choose_batch_k(
             auto, fixed, drafted_rows, lambda: self._cold_cost(auto_rows), key=key
         )
         probe = self._probe_row(auto_rows) if self.controller.probing else None
+        if k == 0 and probe is None:  # the usual step where speculation does not pay
+            for _, c in auto_rows:
+                c.source, c.tokens = "none", None
+            return
         for (_, c), a in zip(auto_rows, auto, strict=True):
             # A probe measures acceptance: one row's draft tells it, and costs the
             # draft model at most one cold row's first read.
@@ -258,11 +272,3 @@ class DraftPolicy:
         drafted = outcome.width > 1
         ctl.observe_realized(n_rows, seconds, emitted, drafted)
         ctl.observe_overhead(n_rows, seconds - outcome.draft_s - outcome.verify_s, drafted)
-
-
-def _free_draft(row, budget: int) -> list[int]:
-    """The lookup proposal of a greedy auto row, where its text repeats itself."""
-    if row.lookup is None:
-        return []
-    cap = row.plan.lookup.k_max if row.plan.lookup is not None else MAX_AUTO_DRAFT
-    return row.lookup.propose(min(budget, cap))

@@ -4,6 +4,8 @@ at a batch size is stopped there (probes aside), and allowed again once it pays.
 
 from __future__ import annotations
 
+import pytest
+
 import engine
 from engine.adaptive import (
     GUARD_MIN_STEPS,
@@ -168,6 +170,29 @@ def test_a_settled_plain_decision_is_reused_until_the_batch_or_its_free_drafts_c
     assert len(priced) == 6
 
 
+def test_a_settled_plain_decision_is_priced_again_only_when_free_drafts_grow_clearly(
+    monkeypatch,
+):
+    target = PassCosts({1: 1.0, 2: 2.0, 64: 64.0})  # no K can pay: K = 0 is settled
+    ctl = DraftController(target, PassCosts({1: 0.01}), static_costs(100, 10, on_gpu=False))
+    priced = []
+    rates = ctl._rates
+    monkeypatch.setattr(ctl, "_rates", lambda *a: priced.append(1) or rates(*a))
+
+    def offer(free_rows: int, tokens_each: int) -> list[AutoRow]:
+        free = [AutoRow(0.9, tokens_each, free=True) for _ in range(free_rows)]
+        return [*_rows(16 - free_rows), *free]
+
+    ctl.choose_batch_k(offer(4, 3), [], 16, key="batch")  # priced: 4 rows, 12 tokens
+    ctl.choose_batch_k(offer(5, 3), [], 16, key="batch")  # one row more: within the slack
+    ctl.choose_batch_k(offer(4, 3), [], 16, key="batch")
+    assert len(priced) == 1
+    ctl.choose_batch_k(offer(8, 3), [], 16, key="batch")  # twice the rows: priced again
+    assert len(priced) == 2
+    ctl.choose_batch_k(offer(8, 5), [], 16, key="batch")  # 40 tokens against 24: again
+    assert len(priced) == 3
+
+
 def test_accepted_probes_where_drafting_still_does_not_pay_come_less_and_less_often():
     ctl = _controller()
     probes = 0
@@ -228,3 +253,20 @@ def test_plain_steps_of_a_batch_are_priced_from_a_measured_batch_pass():
         factor = ctl.live_target[(b, 1)]
         assert factor > 0
         assert ctl._target_pass(b, 1) == ctl.target._curve(b) * factor
+
+
+def test_a_drafting_pass_is_priced_by_how_plain_decoding_costs_now():
+    # Passes grow slower as the rows' context grows. The drafting shape ran early (short
+    # context), then only plain steps ran while plain steps doubled: drafting is priced at
+    # its old share of a plain step, not at its old seconds (which would make it look
+    # cheap against plain decoding, and "auto" draft at a loss).
+    ctl = _controller()
+    for _ in range(30):
+        ctl.observe_step(16, 1, 0.010, 0, 0, 0.0)
+        ctl.observe_step(16, 2, 0.015, 1, 16, 0.001)
+    early = ctl._target_pass(16, 2) / ctl._target_pass(16, 1)
+    for _ in range(60):
+        ctl.observe_step(16, 1, 0.020, 0, 0, 0.0)
+    assert ctl._target_pass(16, 1) == pytest.approx(0.020, rel=0.02)
+    assert ctl._target_pass(16, 2) == pytest.approx(0.030, rel=0.05)
+    assert ctl._target_pass(16, 2) / ctl._target_pass(16, 1) == pytest.approx(early, rel=0.05)
