@@ -622,16 +622,11 @@ class DraftController:
 
     def _probe_failed(self, rows: int, drafted_rows: int) -> None:
         """Double the interval, and keep it long enough that probes cost at most
-        PROBE_BUDGET of the steps between them. A probe costs a wider step and a draft
-        pass, and first the draft model's read of what its row emitted since the last
-        probe (about one token a step between them): where that read alone costs more a
-        step than the budget, probes wait the longest interval."""
+        PROBE_BUDGET of the steps between them."""
         plain = self.step_seconds(rows, 1, 0, 0)
         extra = self.step_seconds(rows, 2, 1, max(drafted_rows, 1)) - plain
-        longer = min(self.probe_interval * 2, PROBE_MAX)
-        room = PROBE_BUDGET * plain - self.warm_seconds(longer) / longer
-        floor = PROBE_MAX if room <= 0 else int(extra / room)
-        self.probe_interval = min(max(longer, floor), PROBE_MAX)
+        floor = int(extra / (PROBE_BUDGET * plain)) if plain > 0 else 0
+        self.probe_interval = min(max(self.probe_interval * 2, floor), PROBE_MAX)
 
     def probe_result(self, proposed: int, accepted: int) -> None:
         """After a probe step: a rejected draft doubles the interval; an accepted one
