@@ -155,7 +155,7 @@ def worker_env(env: dict, args) -> dict:
     return dict(env, PYTHONPATH=path, SPEC_TEST_STEP_SLEEP_S=str(STEP_SLEEP_S))
 
 
-def _random_pair(root: Path, hidden: int, layers: int) -> list[str]:
+def random_pair(root: Path, hidden: int, layers: int) -> list[str]:
     """spec-worker arguments for a random target (hidden x layers) and a tiny random
     draft on the test tokenizer, served under the alias "demo". Random weights at this
     scale never end a text early."""
@@ -192,7 +192,7 @@ def slow_pair_args(tmp_path_factory) -> list[str]:
     no early end of text) that a job outlives signals and heartbeat TTLs in tests of
     worker liveness, whatever the machine's speed. The pair itself is small and fast:
     its workers wait in each step (worker_env), they do not compute."""
-    args = _random_pair(tmp_path_factory.mktemp("slow-pair"), hidden=128, layers=2)
+    args = random_pair(tmp_path_factory.mktemp("slow-pair"), hidden=128, layers=2)
     SLOW_TARGETS.add(args[1])
     return args
 
@@ -202,7 +202,7 @@ def busy_pair_args(tmp_path_factory) -> list[str]:
     """Like slow_pair_args, but slow by computing (a 768-wide, 6-layer target, over 10 ms
     per token on a CPU): for the tests of what a worker does while its job keeps the
     CPU busy."""
-    return _random_pair(tmp_path_factory.mktemp("busy-pair"), hidden=768, layers=6)
+    return random_pair(tmp_path_factory.mktemp("busy-pair"), hidden=768, layers=6)
 
 
 class WorkerProcess:

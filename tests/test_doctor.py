@@ -10,7 +10,8 @@ import socket
 
 import pytest
 from click.testing import CliRunner
-from tiny_models import build_llama, build_tokenizer
+from conftest import random_pair
+from tiny_models import build_llama
 
 from jobstore.config import redact
 from worker.doctor import kv_cache_bytes, main, model_size
@@ -20,27 +21,9 @@ from worker.doctor import kv_cache_bytes, main, model_size
 def models(tmp_path_factory):
     """target, draft (same tokenizer) and a draft whose tokenizer swaps two ids."""
     root = tmp_path_factory.mktemp("doctor")
-    build_tokenizer(root / "tok")
+    random_pair(root, hidden=64, layers=2)
     data = json.loads((root / "tok" / "tokenizer.json").read_text())
     n = len(data["model"]["vocab"])
-    build_llama(
-        root / "target",
-        vocab_size=n,
-        hidden=64,
-        layers=2,
-        seed=1,
-        scale=3.0,
-        tokenizer_from=root / "tok",
-    )
-    build_llama(
-        root / "draft",
-        vocab_size=n,
-        hidden=32,
-        layers=1,
-        seed=2,
-        scale=3.0,
-        tokenizer_from=root / "tok",
-    )
     vocab = data["model"]["vocab"]
     a, b = sorted(vocab, key=vocab.get)[300:302]
     vocab[a], vocab[b] = vocab[b], vocab[a]
