@@ -143,24 +143,22 @@ class DraftPolicy:
         # Rows the draft model would run over if it drafted (cold ones included).
         drafted_rows = len(proposer.members) + len(self._cold()) if proposer is not None else 0
         for row, c in zip(rows, choices, strict=True):
-            # Never draft past max_tokens: the step's own target token is the last one.
-            budget = min(MAX_DRAFT_TOKENS, row.max_tokens - row.generated - 1)
-            if budget <= 0 or row.drafter == "none":
+            budget = row.budget()
+            if budget == 0 or row.drafter == "none":
                 continue
             plan = row.plan
             if row.greedy_auto:
                 # This runs for every row of every step: kept to plain attribute reads.
                 rate = plan.acceptance.rate
                 held.append(rate)
+                own = plan.lookup  # the row's lookup sub-plan, if it takes lookup drafts
                 free = None
                 if row.lookup is not None:
-                    own = plan.lookup
                     free = row.lookup.propose(
                         min(budget, own.k_max if own is not None else MAX_AUTO_DRAFT)
                     )
                 if free:
                     c.tokens, c.source = free, "lookup"
-                    own = plan.lookup
                     auto.append(
                         AutoRow(own.acceptance.rate if own is not None else rate, len(free), True)
                     )
