@@ -44,9 +44,9 @@ from .policy import (
     BATCH_SIZES,
     DECAY,
     EMA,
+    EXPLORE_EVERY,
+    EXPLORE_GAP,
     FREE_SLACK,
-    GUARD_EMA,
-    GUARD_MIN_STEPS,
     LIVE_EMA,
     LOOKUP_MAX_DRAFT,
     MARGIN,
@@ -57,11 +57,13 @@ from .policy import (
     PROBE_BUDGET,
     PROBE_FIRST,
     PROBE_MAX,
+    RELATIVE_FRESH,
     SETTLED_STEPS,
     SHAPE_EMA,
     AutoRow,
     FixedRow,
 )
+from .realized import Realized
 
 # Acceptance of lookup drafts taken inside a model-drafted request (key in the controller).
 HYBRID_LOOKUP = "model+lookup"
@@ -279,66 +281,6 @@ class DraftPlan:
 
 
 @dataclass
-class _RunningMean:
-    """Running means of seconds and emitted tokens over steps: equal weights over the
-    first 1 / GUARD_EMA steps, then exponential."""
-
-    seconds: float = 0.0
-    tokens: float = 0.0
-    steps: int = 0
-
-    def observe(self, seconds: float, tokens: int) -> None:
-        w = max(GUARD_EMA, 1.0 / (self.steps + 1))
-        self.seconds += w * (seconds - self.seconds)
-        self.tokens += w * (tokens - self.tokens)
-        self.steps += 1
-
-    @property
-    def per_token(self) -> float:
-        return self.seconds / self.tokens if self.tokens else 0.0
-
-
-@dataclass
-class Realized:
-    """Measured wall-clock seconds and emitted tokens of the steps of one batch-size
-    class, kept apart for steps that drafted nothing and steps that drafted. Speed is a
-    ratio of means (seconds over tokens), not a mean of per-step ratios, which one slow
-    step that emitted a single token would skew."""
-
-    plain_mean: _RunningMean = field(default_factory=_RunningMean)
-    spec_mean: _RunningMean = field(default_factory=_RunningMean)
-
-    def observe(self, seconds: float, tokens: int, drafted: bool) -> None:
-        (self.spec_mean if drafted else self.plain_mean).observe(seconds, tokens)
-
-    @property
-    def plain(self) -> float:
-        """Seconds per emitted token of the plain steps."""
-        return self.plain_mean.per_token
-
-    @property
-    def spec(self) -> float:
-        """Seconds per emitted token of the drafting steps."""
-        return self.spec_mean.per_token
-
-    @property
-    def plain_steps(self) -> int:
-        return self.plain_mean.steps
-
-    @property
-    def spec_steps(self) -> int:
-        return self.spec_mean.steps
-
-    def speculation_lost(self) -> bool:
-        """Whether drafting has measurably cost more per token than plain decoding."""
-        return (
-            self.plain_steps >= GUARD_MIN_STEPS
-            and self.spec_steps >= GUARD_MIN_STEPS
-            and self.spec > self.plain * (1 + MARGIN)
-        )
-
-
-@dataclass
 class DraftController:
     """Per-process state for "auto": pass costs of both models, acceptance priors.
 
@@ -370,6 +312,18 @@ class DraftController:
     # (size class, drafted) -> seconds a step spends outside its draft and target passes
     # (choosing, bookkeeping, rollback, compaction), for steps that drafted and did not.
     overhead: dict = field(default_factory=dict)
+    # Measured seconds of the draft model's reads of cold rows over its one-row curve.
+    read_factor: float = 1.0
+    now: int = 0  # steps observed: the clock of the guard and of live_relative's freshness
+    # Keys of live_target still holding a start-up timing: the first live one replaces it.
+    calibrated_keys: set = field(default_factory=set)
+    plain_seen: dict = field(default_factory=dict)  # rows -> `now` of its last live plain step
+    # size class -> seconds of one change of rows (rows leaving or joining copy the caches)
+    churn: dict = field(default_factory=dict)
+    checking: Realized | None = None  # the class whose plain check this step is
+    # (rows, width) -> `now` when a step of that shape last ran (`_explore`)
+    shape_seen: dict = field(default_factory=dict)
+    explored: dict = field(default_factory=dict)  # size class -> `now` of its last exploring step
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
@@ -401,6 +355,7 @@ class DraftController:
             block=dflash is not None and dflash.block,
             calibrated=calibrate,
             live_target=live_target,
+            calibrated_keys=set(live_target),
         )
 
     def plan(self, drafter: str, greedy: bool, k_max: int = MAX_AUTO_DRAFT) -> DraftPlan:
@@ -479,16 +434,52 @@ class DraftController:
         return self.overhead[(c, drafting)] * rows / (1 << (c - 1))
 
     def warm_seconds(self, positions: int) -> float:
-        """Predicted seconds for the draft model to read `positions` tokens of rows it
-        has not read yet (cold rows, prefilled the first time they draft)."""
+        """Predicted seconds for the draft model to read `positions` tokens it has not
+        read yet (cold rows' prefill, a backlog): its one-row curve at that many
+        positions (extrapolated past the sizes timed at start-up) times the factor
+        measured on the reads that ran (`observe_read`)."""
         if not positions or self.draft is None or self.block:
             return 0.0
-        # The draft's one-position pass, grown the way the target's pass grows with
-        # positions (its curve is measured much further out than the draft's).
-        return self._draft_pass(1) * self.target._curve(positions) / self.target._curve(1)
+        if not self.calibrated:  # decode-step units: the target's growth with positions
+            return self._draft_pass(1) * self.target._curve(positions) / self.target._curve(1)
+        return self.draft._curve(positions) * self.read_factor
+
+    def observe_read(self, positions: int, seconds: float) -> None:
+        """Fold one measured read (a cold row's prefill in the draft model) into
+        `read_factor`, its seconds over the draft curve's value."""
+        curve = self.draft._curve(positions) if self.draft is not None else 0.0
+        if positions and seconds > 0 and curve > 0:
+            self.read_factor += LIVE_EMA * (seconds / curve - self.read_factor)
+
+    def change_seconds(self, rows: int) -> float:
+        """Predicted seconds of one change of rows (some leave, or some join) at this batch
+        size: measured at its size class, else the nearest class's per row, else a plain
+        step (a change copies the caches, about what a pass reads)."""
+        size = self.size_class(rows)
+        if size in self.churn:
+            return self.churn[size]
+        if self.churn:
+            c = min(self.churn, key=lambda c: abs(c - size))
+            return self.churn[c] * rows / (1 << (c - 1))
+        return self.step_seconds(rows, 1, 0, 0)
+
+    def parting_seconds(self, rows: int) -> float:
+        """What it costs when drafting parts a row from the rows it would have finished
+        beside: it leaves, and its successor joins, on changes of their own (two copies
+        of the caches), and the last rows of a batch finish one by one in thinner steps
+        instead of together (about one plain step a row). Measured on a batch of equal
+        requests at 16 demo rows: K = 1 ran its full steps as fast per token as plain
+        decoding, and lost 12% in all to the joins and the thin last steps, about a
+        plain step per row."""
+        return 2 * self.change_seconds(rows) + self.step_seconds(rows, 1, 0, 0)
+
+    def observe_churn(self, rows: int, seconds: float) -> None:
+        """Fold the measured seconds of one change of rows into its size class."""
+        if rows and seconds > 0:
+            _ema(self.churn, self.size_class(rows), seconds)
 
     def _rates(
-        self, auto, fixed, k_max, rows, drafted_rows, warm=(0, 1.0)
+        self, auto, fixed, k_max, rows, drafted_rows, warm=(0, 1.0), sync=(0, 1.0)
     ) -> tuple[list[float], list[float]]:
         """Expected tokens per second of the whole step for K = 0..k_max, at the rows'
         acceptance and at perfect acceptance: rows are grouped by (acceptance to 0.01,
@@ -497,13 +488,20 @@ class DraftController:
 
         `warm` = (positions, horizon): drafting would first have the draft model read
         `positions` tokens of cold rows, which have about `horizon` tokens each left to
-        generate; that one-time cost is spread over the steps they take at each K."""
+        generate; that one-time cost is spread over the steps they take at each K.
+
+        `sync` = (rows in step, tokens left): that many rows share their tokens left with
+        another row, so plain decoding finishes them on one step; drafting moves rows on
+        by different counts and parts them (`parting_seconds` each), spread over the
+        steps they have left at each K."""
         groups = Counter((round(r.acceptance, 2), r.cap, r.free) for r in auto)
         base_tokens = sum(expected_tokens(f.acceptance, f.k) for f in fixed)
         fixed_width = max((f.k for f in fixed), default=0)
         fixed_depth = max((f.k for f in fixed if f.model), default=0)
         positions, horizon = warm
         warm_s = self.warm_seconds(positions) if positions else 0.0
+        parted, left = sync
+        part_s = parted * self.parting_seconds(rows) if parted else 0.0
         # Expected and perfect tokens of the step at each K, one group at a time (a
         # group's expected tokens grow by a power of its acceptance per K, up to its cap).
         size = k_max + 1
@@ -521,13 +519,18 @@ class DraftController:
                 tokens[k] += n * e
                 perfect[k] += n * (min(k, cap) + 1.0)
         rates, ceilings = [], []
+        floor = 0.0
         for k in range(size):
             width = max(fixed_width, min(k, cap_all))
             depth = max(fixed_depth, min(k, cap_model))
-            seconds = self.step_seconds(rows, width + 1, depth, drafted_rows)
+            # A wider, deeper step never costs less than a narrower one (a shape measured
+            # in a quiet moment must not make a longer draft look cheaper).
+            seconds = floor = max(floor, self.step_seconds(rows, width + 1, depth, drafted_rows))
             if warm_s and depth:
                 # Steps the cold rows have left at this K's pace: horizon / tokens per row-step.
                 seconds += warm_s * min((tokens[k] / rows) / max(horizon, 1.0), 1.0)
+            if part_s and k:
+                seconds += part_s * min((tokens[k] / rows) / max(left, 1.0), 1.0)
             rates.append(tokens[k] / seconds)
             ceilings.append(perfect[k] / seconds)
         return rates, ceilings
@@ -539,40 +542,43 @@ class DraftController:
         drafted_rows: int,
         warm=(0, 1.0),
         key=None,
+        offer: tuple[int, int] | None = None,
+        rows: int | None = None,
+        sync=(0, 1.0),
     ) -> int:
         """One draft length for every greedy "auto" row of a step (each capped by its
         own `cap`): the most expected tokens per second for the whole batch, the draft
         model's first read of cold rows (`warm`, see `_rates`) included. A probe
         (`probing` set) asks for one draft: the decoder gives it to one row only.
 
-        `warm` may be a function giving that pair, called only when the step is priced.
-        `key`, if given, sums up the batch (its rows and their acceptance, not the caps):
-        while it is unchanged, a K = 0 decision holds for SETTLED_STEPS steps unpriced,
-        unless the rows' free drafts offer clearly more than any step priced since
-        (FREE_SLACK; a shrinking budget only removes K's that did not pay)."""
+        `warm` and `sync` (rows in step that drafting would part, see `_rates`) may be
+        functions giving those pairs, called only when the step is priced. `key` and `offer` as for `reuse_settled` (`offer` defaults to the free drafts of
+        `auto`); `rows` is the batch size (default: the rows given). Where drafting pays
+        but the guard has no recent plain step at this batch size, the step runs plain
+        (realized.Realized.plain_due)."""
         self.probing = False
         if not auto:
             return 0
-        rows = len(auto) + len(fixed)
-        free = self._free_offer(auto)
-        seen = (0, 0)
-        if key is not None and self.settled is not None and self.settled_left > 0:
-            if self.settled[0] == key:
-                seen = self.settled[2]
-                if free[0] <= seen[0] and free[1] <= seen[1]:
-                    self.settled_left -= 1
-                    return self._maybe_probe(rows) if self.settled[1] else 0
+        rows = rows if rows is not None else len(auto) + len(fixed)
+        free = offer if offer is not None else self._free_offer(auto)
+        reused = self.reuse_settled(key, free, rows)
+        if reused is not None:
+            return reused
+        # An offer that outgrew a K = 0 still in force: its bound carries over.
+        held = self.settled is not None and self.settled_left > 0 and self.settled[0] == key
+        seen = self.settled[2] if held else (0, 0)
         self.settled = None
         settle = (key, (max(free[0], seen[0]), max(free[1], seen[1])))
         k_max = max(r.cap for r in auto)
         if k_max == 0:
             return 0
-        if callable(warm):
-            warm = warm()
-        rates, ceilings = self._rates(auto, fixed, k_max, rows, drafted_rows, warm)
+        warm = warm() if callable(warm) else warm
+        sync = sync() if callable(sync) else sync
+        rates, ceilings = self._rates(auto, fixed, k_max, rows, drafted_rows, warm, sync)
         bar = rates[0] * (1 + MARGIN)
         # If even perfect acceptance cannot pay at any K (a saturated device: batching
         # and speculation compete for the same compute), plain decoding, and no probe.
+        c = self.size_class(rows)
         if max(ceilings[1:]) <= bar:
             self._settle(*settle, may_probe=False)
             return 0
@@ -588,12 +594,52 @@ class DraftController:
                 self._probe_failed(rows, drafted_rows)
         if pays:
             self.steps_since_probe = 0
-            return best
+            group = self.realized.setdefault(c, Realized())
+            if group.plain_due(self.now):
+                self.checking = group
+                return 0
+            return self._explore(c, rows, best, k_max, rates)
         # Speculation does not pay at today's acceptance (or the guard stopped it):
         # probe now and then so acceptance stays measured, less often after each
         # failed probe.
         self._settle(*settle, may_probe=True)
         return self._maybe_probe(rows)
+
+    def _explore(self, size_class: int, rows: int, best: int, k_max: int, rates: list) -> int:
+        """`best`, or now and then a neighbouring K (one draft more or fewer) whose step
+        shape has not run for EXPLORE_EVERY steps: its price is then a pass timed long
+        ago, at a shorter context or in a load burst, and may be off (either way) by
+        more than the K's differ. Only a K that also beats plain decoding is explored."""
+        if self.now - self.explored.get(size_class, -EXPLORE_GAP) < EXPLORE_GAP:
+            return best
+        seen = {
+            k: self.shape_seen.get((rows, k + 1), -EXPLORE_EVERY)
+            for k in (best - 1, best + 1)
+            if 1 <= k <= k_max and rates[k] > rates[0]
+        }
+        if not seen:
+            return best
+        k = min(seen, key=seen.get)
+        if self.now - seen[k] < EXPLORE_EVERY:
+            return best
+        self.explored[size_class] = self.now
+        return k
+
+    def reuse_settled(self, key, offer: tuple[int, int], rows: int) -> int | None:
+        """A K = 0 decision reused unpriced: 0 (plain), 1 (a probe, `probing` set) or
+        None (price this step). `key` sums up the batch (its rows and their acceptance,
+        not the caps): while it is unchanged, a K = 0 decision holds for SETTLED_STEPS
+        steps, unless `offer` (rows with a free prompt-lookup draft, their tokens)
+        clearly grows past any priced since (FREE_SLACK; a shrinking budget only removes
+        K's that did not pay). No key: always None."""
+        self.probing = False
+        if key is None or self.settled is None or self.settled_left <= 0:
+            return None
+        priced_key, may_probe, bound = self.settled
+        if priced_key != key or offer[0] > bound[0] or offer[1] > bound[1]:
+            return None
+        self.settled_left -= 1
+        return self._maybe_probe(rows) if may_probe else 0
 
     @staticmethod
     def _free_offer(auto: list[AutoRow]) -> tuple[int, int]:
@@ -645,17 +691,25 @@ class DraftController:
 
     def speculation_lost(self, rows: int) -> bool:
         realized = self.realized.get(self.size_class(rows))
-        return realized is not None and realized.speculation_lost()
+        return realized is not None and realized.speculation_lost(self.now)
 
-    def observe_realized(self, rows: int, seconds: float, emitted: int, drafted: bool) -> None:
-        """Feed the realized-speed guard one whole step: its wall-clock seconds (choosing,
-        drafting, verifying, bookkeeping), the tokens it emitted over every row, and
-        whether it drafted. Whatever the cost model predicts, speculation that measurably
-        cost more per token than plain decoding at this batch size stops until a probe
-        pays."""
-        if emitted and seconds > 0:
+    def observe_realized(
+        self, rows: int, seconds: float, emitted: int, drafted: bool, evidence: bool = True
+    ) -> None:
+        """Feed the realized-speed guard one whole step (and advance its clock): its
+        wall-clock seconds (choosing, drafting, verifying, bookkeeping), the tokens it
+        emitted over every row, and whether it drafted. Whatever the cost model
+        predicts, speculation that measurably cost more per token than plain decoding
+        at this batch size stops (engine/realized.py). A step that is no evidence of
+        either kind (`evidence` False: a probe, where one row drafts to measure
+        acceptance, or a step that admitted rows) only advances the clock."""
+        self.now += 1
+        checking, self.checking = self.checking, None
+        if checking is not None and not evidence:
+            checking.plain_asked = -1  # the plain check was no evidence: ask again
+        if emitted and seconds > 0 and evidence:
             group = self.realized.setdefault(self.size_class(rows), Realized())
-            group.observe(seconds, emitted, drafted)
+            group.observe(self.now, seconds, emitted, drafted)
 
     def observe_overhead(self, rows: int, seconds: float, drafted: bool) -> None:
         """Fold the seconds one step spent outside its draft and target passes into the
@@ -679,10 +733,17 @@ class DraftController:
         per-row overheads make a draft pass over many rows cost about a target pass)."""
         self.target.observe(rows * width, verify_s)
         factor = verify_s / self.target._curve(rows * width)
-        _ema(self.live_target, (rows, width), factor)
-        plain = self.live_target.get((rows, 1))
-        if width > 1 and plain is not None:
-            _ema(self.live_relative, (rows, width), factor / plain)
+        if (rows, width) in self.calibrated_keys:  # a start-up timing: the live one replaces it
+            self.calibrated_keys.discard((rows, width))
+            self.live_target[(rows, width)] = factor
+        else:
+            _ema(self.live_target, (rows, width), factor)
+        self.shape_seen[(rows, width)] = self.now
+        if width == 1:
+            self.plain_seen[rows] = self.now
+        elif self.now - self.plain_seen.get(rows, -RELATIVE_FRESH - 1) <= RELATIVE_FRESH:
+            # Against a plain pass timed at about the same context only (see live_relative).
+            _ema(self.live_relative, (rows, width), factor / self.live_target[(rows, 1)])
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
             per_pass = draft_s / (1 if self.block else depth)
             self.draft.observe(drafted_rows, per_pass)

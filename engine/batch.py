@@ -80,10 +80,11 @@ class BatchDecoder(Decoder):
         self.t_rows, self.t_cache = make_ragged_cache(pair.target, 0)
         self.proposer = new_proposer(pair)
         self._joining: list[tuple[_Row, list[int]]] = []  # added, not yet prefilled
+        self._leaving: set = set()  # removed, still in the caches until the next step
         self.policy = DraftPolicy(pair.controller, self.proposer)
 
     def __len__(self) -> int:
-        return len(self.rows) + len(self._joining)
+        return len(self.rows) - len(self._leaving) + len(self._joining)
 
     # -- rows joining and leaving ------------------------------------------------
     def add(
@@ -112,7 +113,9 @@ class BatchDecoder(Decoder):
             row.lookup = LookupIndex(list(prompt_ids), min_ngram=HYBRID_MIN_NGRAM)
         self._joining.append((row, list(prompt_ids)))
 
-    def _admit_joining(self) -> None:
+    def _admit_joining(self) -> float:
+        """Prefill the joining rows and join them to the batch; returns the seconds of the
+        join itself (the copy of the caches, not the prefill)."""
         joining, self._joining = self._joining, []
         prompts = [ids[:-1] for _, ids in joining]
         context = None
@@ -132,6 +135,7 @@ class BatchDecoder(Decoder):
                     row.cached_tokens = n
             else:
                 rows, _ = prefill_rows(self.pair.target, prompts)
+        t0 = time.perf_counter()
         if self.proposer is not None:
             self.proposer.admit(
                 [Joining(r.key, ids, r.params, r.seed, r.drafter == "model") for r, ids in joining],
@@ -140,26 +144,41 @@ class BatchDecoder(Decoder):
         self.t_rows.append(rows)
         self.rows += [row for row, _ in joining]
         self.policy.rows_changed()
+        return time.perf_counter() - t0
 
     def remove(self, key) -> None:
-        """Drop a finished (or cancelled) row."""
+        """Drop a finished (or cancelled) row: at once if it has not joined yet, else at
+        the start of the next step, together with every other row removed by then (one
+        copy of the caches for all of them, as when rows finish in the same step)."""
+        joining = len(self._joining)
         self._joining = [(row, ids) for row, ids in self._joining if row.key != key]
-        keep = [i for i, r in enumerate(self.rows) if r.key != key]
-        if len(keep) == len(self.rows):
-            return
+        if len(self._joining) == joining and any(r.key == key for r in self.rows):
+            self._leaving.add(key)
+
+    def _drop_leaving(self) -> float:
+        """Take the removed rows out of the caches; returns the seconds it took."""
+        t0 = time.perf_counter()
+        leaving, self._leaving = self._leaving, set()
+        keep = [i for i, r in enumerate(self.rows) if r.key not in leaving]
         self.t_rows.select(keep)
         self.rows = [self.rows[i] for i in keep]
-        self.policy.rows_changed()
         if self.proposer is not None:
-            self.proposer.remove({key})
+            self.proposer.remove(leaving)
+        self.policy.rows_changed()
+        return time.perf_counter() - t0
 
     # -- one step ------------------------------------------------------------------
     def step(self) -> dict:
         """One draft + verify step for every row: {row key: Step}."""
         start = time.perf_counter()
+        churn_s, events = 0.0, 0
+        if self._leaving:
+            churn_s, events = self._drop_leaving(), 1
         joined = bool(self._joining)
         if joined:
-            self._admit_joining()
+            churn_s, events = churn_s + self._admit_joining(), events + 1
+        if not self.rows:
+            return {}
         # The target never rolls back past this step (advance keeps only what passed), so
         # recurrent layers may forget the passes before it.
         self.t_rows.checkpoint()
@@ -181,19 +200,49 @@ class BatchDecoder(Decoder):
             logits = self.pair.target(mx.array(inputs), cache=self.t_cache)
         results = self._verify(logits, drafts, q)
         t2 = time.perf_counter()
+        accepted = [n for n, _ in results]  # what the drafts earned: the policy learns it
+        kept = drafts
+        if any(c.probe for c in choices):
+            results, kept = self._hold_back_probes(choices, drafts, results)
         keep = [1 + n for n, _ in results]
         self.t_rows.advance(width, keep)
         if features is not None:
             self.proposer.observe_target(features, keep)
-        steps = self._finish(choices, drafts, results, t1 - t0, t2 - t1)
+        steps = self._finish(choices, kept, results, t1 - t0, t2 - t1)
         for rows in (self.t_rows, self.proposer.rows if self.proposer is not None else None):
             if rows is not None and rows.waste() > COMPACT_WASTE:
                 rows.compact()
-        accepted = [n for n, _ in results]
         self.policy.observe(
-            Outcome(self.rows, choices, drafts, accepted, width, t1 - t0, t2 - t1, start, joined)
+            Outcome(
+                self.rows,
+                choices,
+                drafts,
+                accepted,
+                width,
+                t1 - t0,
+                t2 - t1,
+                start,
+                joined,
+                churn_s,
+                events,
+            )
         )
         return steps
+
+    @staticmethod
+    def _hold_back_probes(choices, drafts, results):
+        """A probe's row keeps only the token plain decoding would have emitted (its first
+        draft if accepted, else the target's own), and its draft is no draft to the
+        request's statistics: the probe measured acceptance for the policy, and the row
+        stays in step with rows it would finish beside (a row that ran ahead would leave,
+        and its successor join, on steps of their own, each a copy of the caches)."""
+        results, kept = list(results), list(drafts)
+        for i, c in enumerate(choices):
+            if c.probe:
+                n, nxt = results[i]
+                results[i] = (0, drafts[i][0] if n else nxt)
+                kept[i] = []
+        return results, kept
 
     def _draft(self, choices: list[Choice]) -> tuple[list[list[int]], dict]:
         drafts = [list(c.tokens or []) if c.source == "lookup" else [] for c in choices]
@@ -263,7 +312,7 @@ class BatchDecoder(Decoder):
             emitted = d[:n] + [nxt]
             row.target_pending = nxt
             if row.lookup is not None:
-                row.lookup.extend(emitted)
+                row.lookup.append(emitted)
             row.generated += len(emitted)
             emitted_by_key[row.key], accepted_by_key[row.key] = emitted, n
             source = c.source if d else "none"

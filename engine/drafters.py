@@ -13,6 +13,7 @@ their own after verification. Both it and `DFlashProposer` are `interfaces.Propo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -50,7 +51,12 @@ def prefix_of(pair, role: str):
 
 
 class LookupIndex:
-    """Incremental n-gram index over a growing token sequence."""
+    """Incremental n-gram index over a growing token sequence.
+
+    `append` only queues tokens (a step's upkeep for a row whose free drafts nobody
+    asks for, as while "auto" keeps a K = 0); `offer`, where the current proposal starts
+    in `tokens` (-1: none), and `propose` index the queued tokens first.
+    """
 
     def __init__(self, tokens: list[int], max_ngram: int = 3, min_ngram: int = 1):
         self.tokens: list[int] = []
@@ -58,28 +64,45 @@ class LookupIndex:
         self.min_ngram = min_ngram
         # (n-gram) -> index of the token that followed its latest occurrence
         self._follower: dict[tuple[int, ...], int] = {}
+        self._start = -1
+        self._queued: list[int] = []
         self.extend(tokens)
 
+    def append(self, new_tokens: list[int]) -> None:
+        """Queue tokens for indexing at the next `offer` or `propose`."""
+        self._queued += new_tokens
+
     def extend(self, new_tokens: list[int]) -> None:
-        """Append tokens, indexing each n-gram once a token follows it."""
+        """Append tokens, indexing each n-gram once a token follows it, then find the
+        latest earlier match of the longest suffix (n from max_ngram down to min_ngram)."""
+        tokens, follower, low = self.tokens, self._follower, self.min_ngram
         for tok in new_tokens:
-            end = len(self.tokens)
-            for n in range(self.min_ngram, self.max_ngram + 1):
-                if end >= n:
-                    self._follower[tuple(self.tokens[end - n : end])] = end
-            self.tokens.append(tok)
+            end = len(tokens)
+            for n in range(low, min(self.max_ngram, end) + 1):
+                follower[tuple(tokens[end - n : end])] = end
+            tokens.append(tok)
+        end = len(tokens)
+        self._start = -1
+        for n in range(min(self.max_ngram, end), low - 1, -1):
+            start = follower.get(tuple(tokens[end - n :]))
+            if start is not None:
+                self._start = start
+                return
+
+    @property
+    def offer(self) -> int:
+        """Where the current proposal starts in `tokens`; -1 if there is none."""
+        if self._queued:
+            queued, self._queued = self._queued, []
+            self.extend(queued)
+        return self._start
 
     def propose(self, k: int) -> list[int]:
         """Up to k tokens that followed the latest earlier match of the longest suffix."""
-        if k <= 0:
+        start = self.offer
+        if k <= 0 or start < 0:
             return []
-        for n in range(self.max_ngram, self.min_ngram - 1, -1):
-            if len(self.tokens) < n:
-                continue
-            start = self._follower.get(tuple(self.tokens[-n:]))
-            if start is not None:
-                return self.tokens[start : start + k]
-        return []
+        return self.tokens[start : start + k]
 
 
 def prefill_rows(model, prompts: list[list[int]], after_pass=None):
@@ -110,6 +133,7 @@ class _Member:
     seed: int
     position: int = 0  # output position of the row's next token
     used: bool = field(default=False)  # its drafts this step came from the model
+    fed: int = 0  # pending tokens the step in progress read (all of them if used)
 
 
 class ModelProposer(Proposer):
@@ -120,7 +144,9 @@ class ModelProposer(Proposer):
     A row joins cold: the draft model reads nothing of it until the row first asks for
     drafts, and then takes its prompt and everything emitted so far in one prefill. So
     rows that "auto" never drafts for (plain decoding pays better, as in large batches
-    on a CPU) cost the draft model nothing.
+    on a CPU) cost the draft model nothing. A step's first pass is as wide as the
+    longest backlog of the rows that draft; the other rows read as much of theirs as
+    fits in that width, for free (their positions are computed either way).
     """
 
     kind = "model"
@@ -136,6 +162,7 @@ class ModelProposer(Proposer):
         self.depth = 0  # draft passes of the step in progress (reset by commit)
         self.depth_run = 0  # draft passes run by the last propose()
         self._sampled: list[_Member] = []  # members drawing samples at this depth
+        self.last_read: tuple[int, float] | None = None  # (positions, seconds) of a prefill
 
     def admit(self, joining: list[Joining], context=None) -> None:
         """Rows that draft by the model join cold (see the class docstring); the others
@@ -147,12 +174,15 @@ class ModelProposer(Proposer):
     def _warm(self, keys: list) -> None:
         """Prefill cold rows with every token they have; the newest stays pending, as
         in the target."""
+        positions = sum(self.cold_tokens(key) for key in keys)
         found = [(key, *self.cold.pop(key)) for key in keys]
         prompts = [ids[:-1] for _, ids, _, _ in found]
+        start = time.perf_counter()
         if self.prefix is not None:
             rows, _, _ = prefill_cached(self.model, prompts, self.prefix)
         else:
             rows, _ = prefill_rows(self.model, prompts)
+        self.last_read = (positions, time.perf_counter() - start)
         # A fresh ragged cache's layer objects are grafted onto ours by RaggedRows.append.
         self.rows.append(rows)
         self.members += [_Member(key, [ids[-1]], params, seed) for key, ids, params, seed in found]
@@ -164,6 +194,18 @@ class ModelProposer(Proposer):
         ids = self.cold[key][0]
         kept = self.prefix.kept_length(ids[:-1]) if self.prefix is not None else 0
         return len(ids) - kept
+
+    def read_cost(self, keys) -> int:
+        """Positions the draft model runs, beyond a step's usual one-token pass, before it
+        can draft for these rows: the cold ones' prefill, then a first pass as wide as
+        the longest backlog among them (accepted tokens it has not read) over every row
+        it holds. A row drafted every step has no backlog; one left out of drafting for
+        n steps has n tokens of it."""
+        keys = set(keys)
+        prefill = sum(self.cold_tokens(k) for k in keys if k in self.cold)
+        backlog = max((len(m.pending) for m in self.members if m.key in keys), default=1)
+        waking = sum(1 for k in keys if k in self.cold)
+        return prefill + (len(self.members) + waking) * (backlog - 1)
 
     def remove(self, keys: set) -> None:
         for key in keys:
@@ -188,21 +230,27 @@ class ModelProposer(Proposer):
             m.position = positions.get(m.key, 0)
         if depth == 0:
             return {}, {}
-        self.rows.checkpoint()
         members = self.members
-        width = max(len(m.pending) for m in members)
-        feed = mx.array([m.pending + [0] * (width - len(m.pending)) for m in members])
-        last = mx.array([len(m.pending) - 1 for m in members])
+        if max(len(m.pending) for m in members if m.used) > 1:
+            self._catch_up()
+        self.rows.checkpoint()  # what the draft passes add may roll back; nothing before
+        # As wide as the longest backlog of the rows that draft: the others read what fits.
+        width = max(len(m.pending) for m in members if m.used)
+        for m in members:
+            m.fed = len(m.pending) if m.used else min(width, len(m.pending))
+        feed = mx.array([m.pending[: m.fed] + [0] * (width - m.fed) for m in members])
+        last = mx.array([max(m.fed - 1, 0) for m in members])
         dv = self.draft_vocab
         tokens, laws = [], []
         for step in range(depth):
             out = self.model(feed, cache=self.cache)
             if step == 0:
                 logits = mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :dv]
-                self.rows.advance(width, [len(m.pending) for m in members])
+                self.rows.advance(width, [m.fed for m in members])
             else:
+                # Rows that do not draft keep none of their chained draft positions.
                 logits = out[:, -1, :dv]
-                self.rows.advance(1, [1] * len(members))
+                self.rows.advance(1, [1 if m.used else 0 for m in members])
             tok, law = self._sample(logits, step)
             tokens.append(tok)
             laws.append(law)
@@ -223,6 +271,26 @@ class ModelProposer(Proposer):
             if m.key in sampled:
                 q[m.key] = stacked[sampled[m.key], :k]
         return drafts, q
+
+    def _catch_up(self) -> None:
+        """Read the backlog of the rows that draft this step (accepted tokens the draft
+        model has not seen: it did not draft for them lately) in a pass of its own, all
+        but each row's newest token, which the first draft pass reads; the other rows
+        read as much of theirs as fits. Timed apart (`last_read`): a one-off cost of
+        drafting again, not the cost of a draft pass."""
+        start = time.perf_counter()
+        width = max(len(m.pending) for m in self.members if m.used) - 1
+        take = [min(width, len(m.pending) - 1) for m in self.members]
+        feed = [m.pending[:n] + [0] * (width - n) for m, n in zip(self.members, take, strict=True)]
+        self.model(mx.array(feed), cache=self.cache)
+        self.rows.advance(width, take)
+        self.rows.evaluate()
+        for m, n in zip(self.members, take, strict=True):
+            m.pending = m.pending[n:]
+        read = (sum(take), time.perf_counter() - start)
+        if self.last_read is not None:  # cold rows were read too
+            read = (read[0] + self.last_read[0], read[1] + self.last_read[1])
+        self.last_read = read
 
     def _sample(self, logits, step):
         """Tokens for every member at this depth, and the laws of the sampled members
@@ -257,11 +325,15 @@ class ModelProposer(Proposer):
         for m in self.members:
             out = emitted.get(m.key, [])
             if depth == 0:  # the draft did not run: it owes these tokens
-                m.pending = m.pending + out
+                m.pending.extend(out)
                 continue
-            # Its cache holds pending + its own depth - 1 drafted tokens; keep those the
-            # target accepted (none if this row's drafts came from elsewhere).
-            kept = min(accepted.get(m.key, 0), depth - 1) if m.used else 0
+            if not m.used:  # it read `fed` of its backlog and kept no draft position
+                drop.append(0)
+                m.pending = m.pending[m.fed :] + out
+                continue
+            # Its cache holds pending + depth - 1 drafted tokens; keep those the target
+            # accepted.
+            kept = min(accepted.get(m.key, 0), depth - 1)
             drop.append(depth - 1 - kept)
             m.pending = out[kept:]
         if depth:
@@ -277,7 +349,7 @@ class ModelProposer(Proposer):
         """Accepted tokens of a row the draft model has not read yet."""
         if key in self.cold:
             return list(self.cold[key][0])
-        return next(m.pending for m in self.members if m.key == key)
+        return list(next(m.pending for m in self.members if m.key == key))
 
 
 class DFlashProposer(Proposer):

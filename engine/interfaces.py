@@ -57,6 +57,8 @@ class Proposer(Protocol):
     rows: Any = None
     #: Passes run by the last `propose` (statistics, pass pricing).
     depth_run: int = 0
+    #: (positions, seconds) of the last read of cold rows, or None (read-cost pricing).
+    last_read: tuple[int, float] | None = None
 
     #: The rows it has read, in its row order (cold rows excluded).
     members: list
@@ -89,8 +91,10 @@ class Proposer(Protocol):
         """Accepted tokens of a row the proposer has not read yet."""
         ...
 
-    def cold_tokens(self, key) -> int:
-        """Tokens a cold row's first read would cost (0 if warm)."""
+    def read_cost(self, keys) -> int:
+        """Positions it would run, beyond a step's usual pass, before it can draft for
+        these rows (a cold row's first read, a backlog of tokens it has not seen); 0 for
+        a proposer that is always up to date."""
         return 0
 
     def capture(self, target):

@@ -45,11 +45,28 @@ PROBE_FIRST, PROBE_MAX = 8, 256
 #: Speculation must beat plain decoding by this share in the model before it is used: a
 #: step the model over-rates costs real time, one it under-rates costs nothing.
 MARGIN = 0.03
-#: The realized-speed guard judges a batch-size class once this many plain and this many
-#: drafting steps ran there; drafting must then cost no more per token (within MARGIN).
+#: The realized-speed guard (engine/realized.py) judges a batch-size class once this many
+#: drafting steps and GUARD_MIN_PLAIN plain ones ran there;
+#: drafting must then cost no more per emitted token than plain decoding (within MARGIN).
 GUARD_MIN_STEPS = 8
-#: Weight of a new step in the guard's running means (equal weights before 1 / GUARD_EMA).
-GUARD_EMA = 0.1
+GUARD_MIN_PLAIN = 3
+#: Per-step decay of the guard's evidence: a step 34 steps old weighs half a new one.
+GUARD_DECAY = 0.98
+#: A verdict against drafting lapses GUARD_HOLD_FIRST steps after the class last drafted;
+#: drafting is then tried again, and a trial that loses again doubles the wait, up to
+#: GUARD_HOLD steps (a verdict reached on a process's first, slow steps must not stand).
+GUARD_HOLD_FIRST, GUARD_HOLD = 64, 512
+#: While "auto" drafts at a batch-size class, a plain step runs there first, then after
+#: PLAIN_FIRST steps, each interval twice the last up to PLAIN_MAX: the guard's plain side
+#: and the plain pass price stay live (start-up timings are off by up to a third).
+PLAIN_FIRST, PLAIN_MAX = 4, 64
+#: While "auto" drafts at a batch-size class, a neighbouring K (one more or one fewer
+#: draft) whose step shape has not run there for EXPLORE_EVERY steps runs one step, at
+#: most one such step every EXPLORE_GAP steps, so that its pass price stays live.
+EXPLORE_EVERY, EXPLORE_GAP = 64, 16
+#: A drafting shape's price relative to the plain pass (adaptive.live_relative) is
+#: learnt only from steps within this many steps of a live plain step at that batch size.
+RELATIVE_FRESH = 64
 #: Steps a K = 0 decision is reused unpriced while the batch summary stays the same
 #: (pricing costs about a tenth of a small model's decode step).
 SETTLED_STEPS = 16
@@ -99,13 +116,18 @@ class Choice:
     k: int = 0
     source: str = "none"  # "model", "lookup" or "none"
     tokens: list | None = None
+    # A probe's draft measures acceptance only: the decoder keeps none of its tokens, so
+    # the row stays in step with rows it would finish beside (see batch.BatchDecoder.step).
+    probe: bool = False
 
 
 @dataclass(frozen=True)
 class Outcome:
     """What one step did, for `DraftPolicy.observe`: per row its choice, its drafts and
     how many passed; the verify width, the draft and verify seconds, when the step
-    started, and whether it admitted rows (then its time includes their prefill)."""
+    started, whether it admitted rows (then its time includes their prefill), and the
+    seconds and number of the row changes it made (rows leaving or joining: each copies
+    the batch's caches once)."""
 
     rows: list
     choices: list[Choice]
@@ -116,6 +138,8 @@ class Outcome:
     verify_s: float
     started: float
     joined: bool
+    churn_s: float = 0.0
+    churn_events: int = 0
 
 
 class DraftPolicy:
@@ -124,33 +148,51 @@ class DraftPolicy:
     `rows` are the decoder's rows (`key`, `drafter`, `fixed_k`, `plan`, `lookup`,
     `budget()`, `greedy_auto`, `generated`, `max_tokens`); `proposer` is the decoder's
     interfaces.Proposer, or None; `controller` the pair's adaptive.DraftController.
+
+    A step that drafts nothing should cost what a plain step costs, and "auto" is the
+    default of every request: where every row is greedy "auto" (or plain) and a K = 0
+    decision is settled (adaptive.DraftController.reuse_settled), `choose` asks only the
+    rows of drafter "lookup" whether their text offers a draft.
     """
 
     def __init__(self, controller, proposer):
         self.controller = controller
         self.proposer = proposer
         self._epoch = next(_EPOCHS)
+        # Bumped in a step where some row drafted (its acceptance changed): with the
+        # epoch, what a reused K = 0 decision depends on.
+        self._version = 0
+        self._mix: str | None = None  # this epoch's rows: "plain", "greedy" or "mixed"
+        self._lookups: list = []  # this epoch's lookup indexes of greedy "auto" lookup rows
+        self._probing = False  # the step being chosen is a probe
 
     def rows_changed(self) -> None:
         """Rows joined or left: a reused K = 0 decision no longer holds."""
         self._epoch = next(_EPOCHS)
+        self._mix = None
 
     def choose(self, rows: list) -> list[Choice]:
         """Every row's draft this step (a lookup proposal's tokens included)."""
+        self._probing = False
+        mix = self._mix or self._classify(rows)
+        if mix == "plain" or self.controller is None and mix == "greedy":
+            return [Choice() for _ in rows]
+        k = None
+        if mix == "greedy":
+            k = self.controller.reuse_settled(self._key(()), self._offer(), len(rows))
+            if k == 0:  # the usual step where speculation does not pay
+                return [Choice() for _ in rows]
         choices = [Choice() for _ in rows]
-        auto, fixed, auto_rows, held = [], [], [], []
-        proposer = self.proposer
-        # Rows the draft model would run over if it drafted (cold ones included).
-        drafted_rows = len(proposer.members) + len(self._cold()) if proposer is not None else 0
+        auto, fixed, auto_rows = [], [], []
         for row, c in zip(rows, choices, strict=True):
+            if row.drafter == "none":
+                continue
             budget = row.budget()
-            if budget == 0 or row.drafter == "none":
+            if budget == 0:
                 continue
             plan = row.plan
             if row.greedy_auto:
-                # This runs for every row of every step: kept to plain attribute reads.
-                rate = plan.acceptance.rate
-                held.append(rate)
+                # This runs for every row of every step it is not settled: attribute reads.
                 own = plan.lookup  # the row's lookup sub-plan, if it takes lookup drafts
                 free = None
                 if row.lookup is not None:
@@ -159,35 +201,76 @@ class DraftPolicy:
                     )
                 if free:
                     c.tokens, c.source = free, "lookup"
-                    auto.append(
-                        AutoRow(own.acceptance.rate if own is not None else rate, len(free), True)
-                    )
-                else:
+                    rate = (own if own is not None else plan).acceptance.rate
+                    auto.append(AutoRow(rate, len(free), True))
+                elif row.drafter == "model":
                     c.source = "model"
-                    auto.append(AutoRow(rate, min(budget, MAX_AUTO_DRAFT), False))
+                    auto.append(AutoRow(plan.acceptance.rate, min(budget, MAX_AUTO_DRAFT), False))
+                else:  # a lookup row whose text has nothing to propose this step
+                    continue
                 auto_rows.append((row, c))
                 continue
-            k = row.fixed_k if row.fixed_k is not None else plan.choose()
-            k = min(k, budget, self._model_cap() if row.drafter == "model" else k)
-            c.k, c.source = k, row.drafter if k else "none"
-            if k and row.drafter == "lookup":
-                c.tokens = row.lookup.propose(k)
+            k_row = row.fixed_k if row.fixed_k is not None else plan.choose()
+            k_row = min(k_row, budget, self._model_cap() if row.drafter == "model" else k_row)
+            c.k, c.source = k_row, row.drafter if k_row else "none"
+            if k_row and row.drafter == "lookup":
+                c.tokens = row.lookup.propose(k_row)
                 c.k = len(c.tokens)
                 c.source = "lookup" if c.k else "none"
             rate = plan.acceptance.rate if plan is not None else PRIOR_ACCEPTANCE
             fixed.append(FixedRow(c.k, rate, row.drafter == "model"))
         if auto:
-            self._choose_auto(auto, fixed, auto_rows, drafted_rows, tuple(held))
+            self._choose_auto(auto, fixed, auto_rows, rows, k)
         return choices
 
-    def _choose_auto(self, auto, fixed, auto_rows, drafted_rows: int, held: tuple) -> None:
-        # What a reused K = 0 depends on: the rows and their acceptance (`held`, constant
-        # while nothing drafts), not the caps of this step's drafts (see choose_batch_k).
-        key = (self._epoch, drafted_rows, held, tuple(fixed))
-        k = self.controller.choose_batch_k(
-            auto, fixed, drafted_rows, lambda: self._cold_cost(auto_rows), key=key
-        )
-        probe = self._probe_row(auto_rows) if self.controller.probing else None
+    def _classify(self, rows: list) -> str:
+        self._lookups = [r.lookup for r in rows if r.drafter == "lookup" and r.greedy_auto]
+        if all(r.drafter == "none" for r in rows):
+            self._mix = "plain"
+        elif all(r.greedy_auto or r.drafter == "none" for r in rows):
+            self._mix = "greedy"
+        else:
+            self._mix = "mixed"
+        return self._mix
+
+    def _key(self, fixed: tuple) -> tuple:
+        # What a reused K = 0 depends on: the rows (epoch), their acceptance (version),
+        # how many rows the draft model would run over, and the fixed rows' drafts.
+        proposer = self.proposer
+        drafted = len(proposer.members) + len(proposer.cold) if proposer is not None else 0
+        return (self._epoch, self._version, drafted, fixed)
+
+    def _offer(self) -> tuple[int, int]:
+        """(greedy "auto" rows of drafter "lookup" with a draft this step, their draft
+        tokens up to LOOKUP_MAX_DRAFT each): more of either may make drafting pay. The
+        lookup drafts a row of drafter "model" takes where its text repeats are priced
+        when the step is (at least every SETTLED_STEPS steps), not looked up every step
+        (that upkeep alone cost 1% of a plain step at 32 demo rows)."""
+        n = tokens = 0
+        for index in self._lookups:
+            start = index.offer
+            if start >= 0:
+                n += 1
+                tokens += min(len(index.tokens) - start, LOOKUP_MAX_DRAFT)
+        return n, tokens
+
+    def _choose_auto(self, auto, fixed, auto_rows, rows: list, k: int | None) -> None:
+        ctl = self.controller
+        if k is None:
+            k = ctl.choose_batch_k(
+                auto,
+                fixed,
+                self._key(())[2],
+                lambda: self._read_cost(auto_rows),
+                key=self._key(tuple(fixed)),
+                offer=self._offer(),
+                rows=len(rows),
+                sync=lambda: self._in_step(rows),
+            )
+        probe = self._probe_row(auto_rows) if ctl.probing else None
+        self._probing = probe is not None
+        if probe is not None:
+            probe.probe = True
         if k == 0 and probe is None:  # the usual step where speculation does not pay
             for _, c in auto_rows:
                 c.source, c.tokens = "none", None
@@ -201,38 +284,36 @@ class DraftPolicy:
             if c.k == 0:
                 c.source, c.tokens = "none", None
 
-    def _cold_cost(self, auto_rows: list) -> tuple[int, float]:
-        """(tokens the draft model has not read of the greedy "auto" rows it would
-        draft for, their mean tokens left to generate): what drafting now would first
-        cost the draft model, and over how much output that cost is spread."""
-        cold = self._cold()
-        if not cold:
+    @staticmethod
+    def _in_step(rows: list) -> tuple[int, float]:
+        """(rows sharing their tokens left with another row, the rows' mean tokens left):
+        plain decoding finishes such rows on one step, drafting would part them."""
+        left = [r.max_tokens - r.generated for r in rows]
+        return len(left) - len(set(left)), sum(left) / len(left)
+
+    def _read_cost(self, auto_rows: list) -> tuple[int, float]:
+        """(positions the draft model would first run to catch up with the greedy "auto"
+        rows it would draft for: cold rows' prefill, and the backlog of rows it has not
+        drafted for lately; their mean tokens left to generate): what drafting now would
+        cost once, and over how much output that cost is spread."""
+        drafting = [r for r, c in auto_rows if c.source == "model"]
+        if self.proposer is None or not drafting:
             return 0, 1.0
-        waking = [
-            (self.proposer.cold_tokens(r.key), r.max_tokens - r.generated)
-            for r, c in auto_rows
-            if r.key in cold and c.source == "model"
-        ]
-        if not waking:
+        positions = self.proposer.read_cost([r.key for r in drafting])
+        if not positions:
             return 0, 1.0
-        return sum(n for n, _ in waking), sum(left for _, left in waking) / len(waking)
+        return positions, sum(r.max_tokens - r.generated for r in drafting) / len(drafting)
 
     def _probe_row(self, auto_rows: list) -> Choice | None:
-        """The row a probe drafts for: one the draft model has read already, else the
-        cold one with the shortest text (the cheapest first read)."""
+        """The row a probe drafts for: the one the draft model can draft for soonest
+        (the least to read first: a short backlog, or a short cold text)."""
         candidates = [(r, c) for r, c in auto_rows if c.source == "model"] or auto_rows
         if not candidates:
             return None
-        cold = self._cold()
-        row, choice = min(
-            candidates,
-            key=lambda rc: self.proposer.cold_tokens(rc[0].key) if rc[0].key in cold else -1,
-        )
+        if self.proposer is None:
+            return candidates[0][1]
+        row, choice = min(candidates, key=lambda rc: self.proposer.read_cost([rc[0].key]))
         return choice
-
-    def _cold(self):
-        """The proposer's rows admitted and not read yet (none without a proposer)."""
-        return self.proposer.cold if self.proposer is not None else {}
 
     def _model_cap(self) -> int:
         """Most drafts the pair's proposer gives a fixed-length row in one step."""
@@ -249,24 +330,39 @@ class DraftPolicy:
                 continue
             plan = row.plan.lookup if (c.source == "lookup" and row.plan.lookup) else row.plan
             plan.observe(len(d), n)
+            self._version += 1
             if row.greedy_auto and c.source == "model":
                 probe = (len(d), n) if probe is None else (probe[0] + len(d), probe[1] + n)
         ctl = self.controller
         if ctl is None:
             return
-        if ctl.probing and probe is not None:
+        probing, self._probing = self._probing, False
+        if probing and probe is not None:
             ctl.probe_result(*probe)
+        proposer = self.proposer
+        read_s = 0.0
+        if proposer is not None and proposer.last_read is not None:
+            positions, read_s = proposer.last_read
+            ctl.observe_read(positions, read_s)
+            proposer.last_read = None
+        n_rows = len(outcome.rows)
+        if outcome.churn_events:
+            ctl.observe_churn(n_rows, outcome.churn_s / outcome.churn_events)
         if outcome.joined:
             # A step that admitted rows also ran their prefill and the first pass over
             # the joined cache: not a fair sample of any cost.
+            ctl.observe_realized(n_rows, 0.0, 0, False, evidence=False)
             return
-        proposer = self.proposer
         depth = proposer.depth_run if proposer is not None else 0
         members = len(proposer.members) if proposer is not None else 0
-        n_rows = len(outcome.rows)
-        ctl.observe_step(n_rows, outcome.width, outcome.verify_s, depth, members, outcome.draft_s)
+        # A cold row's first read is priced apart (observe_read), not as a draft pass.
+        draft_s = max(outcome.draft_s - read_s, 0.0)
+        ctl.observe_step(n_rows, outcome.width, outcome.verify_s, depth, members, draft_s)
         emitted = sum(1 + n for n in outcome.accepted)
         seconds = time.perf_counter() - outcome.started
         drafted = outcome.width > 1
-        ctl.observe_realized(n_rows, seconds, emitted, drafted)
-        ctl.observe_overhead(n_rows, seconds - outcome.draft_s - outcome.verify_s, drafted)
+        # The draft model's one-off reads are priced apart (observe_read), not as drafting.
+        ctl.observe_realized(n_rows, seconds - read_s, emitted, drafted, evidence=not probing)
+        # Row changes are priced apart (observe_churn); the guard counts them in.
+        other = seconds - outcome.draft_s - outcome.verify_s - outcome.churn_s
+        ctl.observe_overhead(n_rows, other, drafted)

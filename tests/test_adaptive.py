@@ -8,12 +8,12 @@ import pytest
 
 import engine
 from engine.adaptive import (
-    GUARD_MIN_STEPS,
     AutoRow,
     DraftController,
     PassCosts,
     static_costs,
 )
+from engine.policy import GUARD_MIN_STEPS
 
 
 def _controller() -> DraftController:
@@ -63,7 +63,9 @@ def test_speculation_that_pays_per_token_goes_on_and_a_lost_size_recovers():
     assert set(_choices(ctl, 4, steps=8)) <= {0, 1}
     for _ in range(60):
         ctl.observe_realized(4, 0.012, 8, drafted=True)
-    assert _choices(ctl, 4).count(0) == 0
+    # Drafting again; one plain step first, the plain side of the evidence being 100 steps old.
+    got = _choices(ctl, 4)
+    assert got[0] == 0 and got.count(0) == 1
 
 
 def test_where_speculation_lost_even_accepted_probes_come_less_and_less_often():
@@ -109,6 +111,7 @@ def test_decoding_steps_feed_the_guard_with_wall_clock_time():
 def test_waking_cold_rows_is_priced_over_the_tokens_they_have_left():
     ctl = _controller()
     ctl.draft = PassCosts({1: 0.2, 16: 0.4})
+    ctl.observe_realized(4, 0.010, 4, drafted=False)  # a live plain step at this size
     rows = _rows(4, acceptance=0.8)
     assert ctl.choose_batch_k(rows, [], 4) > 0
     # The draft model would first read 4 rows of 5,000 tokens: worth it for rows with
@@ -118,15 +121,21 @@ def test_waking_cold_rows_is_priced_over_the_tokens_they_have_left():
     assert got.count(0) >= 35
 
 
-def test_a_probe_drafts_for_one_row_and_wakes_no_other(monkeypatch):
+def _probing_pair(monkeypatch):
+    """The demo pair (uncalibrated) whose "auto" probes on every step."""
     pair = engine.load_pair(calibrate=False)
     ctl = pair.controller
 
-    def probe_always(auto, fixed, drafted_rows, warm=(0, 1.0), key=None):
+    def probe_always(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
         ctl.probing, ctl.probe_rows = True, len(auto) + len(fixed)
         return 1
 
     monkeypatch.setattr(ctl, "choose_batch_k", probe_always)
+    return pair, ctl
+
+
+def test_a_probe_drafts_for_one_row_and_wakes_no_other(monkeypatch):
+    pair, ctl = _probing_pair(monkeypatch)
     from engine.batch import BatchDecoder
     from engine.sampling import SamplingParams
 
@@ -142,11 +151,50 @@ def test_a_probe_drafts_for_one_row_and_wakes_no_other(monkeypatch):
             max_tokens=8,
             plan=ctl.plan("model", greedy=True),
         )
-    steps = dec.step()
-    assert [steps[i].proposed for i in range(4)] == [1, 0, 0, 0]
+    dec.step()
     assert sorted(dec.proposer.cold) == [1, 2, 3]  # the others were never read
-    steps = dec.step()
-    assert [steps[i].proposed for i in range(4)] == [1, 0, 0, 0]  # the warm row again
+    assert [m.key for m in dec.proposer.members] == [0]  # row 0: read, then drafted for
+    dec.step()
+    assert sorted(dec.proposer.cold) == [1, 2, 3]  # the warm row again
+
+
+def test_a_probe_keeps_its_row_in_step_and_out_of_the_statistics(monkeypatch):
+    # Rows with as many tokens left finish on one step under plain decoding; a probe that
+    # kept its accepted draft would move its row ahead (then it leaves, and its successor
+    # joins, on steps of their own). Its row emits what plain decoding emits, one token a
+    # step, and the request's statistics show no draft.
+    pair, ctl = _probing_pair(monkeypatch)
+    from engine.batch import BatchDecoder
+    from engine.sampling import SamplingParams
+
+    ids = pair.tokenizer.encode("def add(a, b):\n    return a + b\n\ndef add(a, b):\n")
+    plain = engine.generate(
+        pair, engine.GenerationRequest(prompt_ids=ids, max_tokens=12, drafter="none")
+    )
+    dec = BatchDecoder(pair)
+    dec.add(
+        0,
+        ids,
+        SamplingParams(0.0),
+        seed=0,
+        drafter="model",
+        num_draft_tokens="auto",
+        max_tokens=12,
+        plan=ctl.plan("model", greedy=True),
+    )
+    probed = []
+    monkeypatch.setattr(
+        dec.policy, "observe", lambda o: probed.append((o.drafts[0], o.accepted[0]))
+    )
+    out = []
+    for _ in range(12):
+        step = dec.step()[0]
+        assert (len(step.tokens), step.proposed, step.accepted) == (1, 0, 0)
+        out += step.tokens
+    assert out == plain.token_ids
+    # Every step but the last (no budget left) drafted one token for the policy.
+    assert [len(d) for d, _ in probed] == [1] * 11 + [0]
+    assert sum(n for _, n in probed) > 0  # and some were right: they were held back
 
 
 def test_a_settled_plain_decision_is_reused_until_the_batch_or_its_free_drafts_change(

@@ -1,0 +1,126 @@
+"""The realized-speed guard of "auto": whatever the cost model predicts, drafting that
+has measurably cost more wall-clock seconds per emitted token than plain decoding at
+a batch size stops there.
+
+Evidence is kept per batch-size class (1, 2-3, 4-7, 8-15, ...), apart for steps that
+drafted and steps that did not, as sums of seconds and emitted tokens in which each
+step weighs GUARD_DECAY ** (its age in steps): what the batch costs now, not what it
+cost at start-up. Speed is a ratio of those sums (seconds over tokens), not a mean of
+per-step ratios, which one slow step that emitted a single token would skew.
+
+Both sides must be live. Start-up timings of a plain batch step are off by up to a
+third on a busy machine, and a guard that weighs today's drafting against a plain
+step timed long ago, or never, lets a wrong first guess stand for good (measured: at
+16 demo rows "auto" drafted every step at 0.78x of plain, its only plain figures
+from its first steps). So while "auto" drafts at a class, a plain step runs there now
+and then (`plain_due`: before the first drafting step, then after PLAIN_FIRST steps,
+twice as long each time, up to PLAIN_MAX), and a verdict against drafting lapses
+some steps after the class last drafted (GUARD_HOLD_FIRST, twice as long after each
+trial that loses again, up to GUARD_HOLD), so that a class lost once is tried again.
+Probe steps (one row drafts to measure acceptance) are evidence of neither, and the
+draft model's one-off reads (rows it has not seen, or a backlog of tokens it has not
+read) are priced apart, not counted against drafting.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .policy import (
+    GUARD_DECAY,
+    GUARD_HOLD,
+    GUARD_HOLD_FIRST,
+    GUARD_MIN_PLAIN,
+    GUARD_MIN_STEPS,
+    MARGIN,
+    PLAIN_FIRST,
+    PLAIN_MAX,
+)
+
+
+@dataclass
+class Evidence:
+    """Seconds and emitted tokens of one kind of step at one batch-size class, each
+    step weighted by GUARD_DECAY ** (its age in the guard's steps)."""
+
+    seconds: float = 0.0
+    tokens: float = 0.0
+    steps: int = 0  # steps ever seen
+    last: int = 0  # the guard's step count at the newest
+
+    def add(self, now: int, seconds: float, tokens: int) -> None:
+        decay = GUARD_DECAY ** (now - self.last)
+        self.seconds = self.seconds * decay + seconds
+        self.tokens = self.tokens * decay + tokens
+        self.steps += 1
+        self.last = now
+
+    @property
+    def per_token(self) -> float:
+        return self.seconds / self.tokens if self.tokens else 0.0
+
+
+@dataclass
+class Realized:
+    """The guard's evidence at one batch-size class, and when it next wants a plain
+    step there."""
+
+    plain_ev: Evidence = field(default_factory=Evidence)
+    spec_ev: Evidence = field(default_factory=Evidence)
+    plain_interval: int = PLAIN_FIRST
+    plain_asked: int = -1  # the guard's step count when a plain step was last asked for
+    hold: int = GUARD_HOLD_FIRST  # steps a verdict against drafting stands after the last draft
+    lapsed: bool = False  # a verdict lapsed: the next drafting step is a trial
+
+    def observe(self, now: int, seconds: float, tokens: int, drafted: bool) -> None:
+        (self.spec_ev if drafted else self.plain_ev).add(now, seconds, tokens)
+        if drafted and self.lapsed and self._judged():
+            # A trial after a lapse: lost again waits twice as long, a win starts over.
+            self.lapsed = False
+            lost = self.spec > self.plain * (1 + MARGIN)
+            self.hold = min(self.hold * 2, GUARD_HOLD) if lost else GUARD_HOLD_FIRST
+
+    def _judged(self) -> bool:
+        return self.plain_ev.steps >= GUARD_MIN_PLAIN and self.spec_ev.steps >= GUARD_MIN_STEPS
+
+    @property
+    def plain(self) -> float:
+        """Seconds per emitted token of the plain steps (recent ones weigh more)."""
+        return self.plain_ev.per_token
+
+    @property
+    def spec(self) -> float:
+        """Seconds per emitted token of the drafting steps (recent ones weigh more)."""
+        return self.spec_ev.per_token
+
+    @property
+    def plain_steps(self) -> int:
+        return self.plain_ev.steps
+
+    @property
+    def spec_steps(self) -> int:
+        return self.spec_ev.steps
+
+    def speculation_lost(self, now: int) -> bool:
+        """Whether drafting has measurably cost more per token than plain decoding here,
+        on evidence recent enough to stand (see the module docstring)."""
+        if not self._judged() or self.spec <= self.plain * (1 + MARGIN):
+            return False
+        if now - self.spec_ev.last > self.hold:
+            self.lapsed = True
+            return False
+        return True
+
+    def plain_due(self, now: int) -> bool:
+        """Whether a step that would draft here should run plain instead, to keep the
+        plain side of the evidence live; asking counts as the check (one per interval,
+        each interval twice the last, up to PLAIN_MAX). Before any plain step here,
+        every step is one (each step ticks the clock `now`)."""
+        if self.plain_ev.steps:
+            if now - max(self.plain_ev.last, self.plain_asked) < self.plain_interval:
+                return False
+            self.plain_interval = min(self.plain_interval * 2, PLAIN_MAX)
+        elif self.plain_asked == now:
+            return False
+        self.plain_asked = now
+        return True

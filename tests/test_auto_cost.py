@@ -1,0 +1,253 @@
+"""What "auto" costs where it does not pay, and how it finds out (issue 23).
+
+"auto" is the default of every request: a step where it drafts nothing must cost what
+a plain step costs, a batch where no K pays must settle on plain decoding and stay
+there, and a wrong price from start-up (or from a process's first, slow steps) must
+not stand. Each test names the mechanism it proves; the mutation that breaks it is in
+its comment.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+
+import pytest
+from tiny_models import reference_greedy
+
+import engine
+from engine import batch, drafters, policy
+from engine.adaptive import AutoRow, DraftController, PassCosts, static_costs
+from engine.policy import GUARD_HOLD, GUARD_HOLD_FIRST, PLAIN_FIRST, PLAIN_MAX
+from engine.sampling import SamplingParams
+
+
+def _optimist() -> DraftController:
+    # A pass model that says drafting pays at 4 rows: verifying more positions is nearly free.
+    target = PassCosts({1: 1.0, 2: 1.01, 4: 1.02, 8: 1.04, 16: 1.08, 64: 1.3})
+    return DraftController(target, PassCosts({1: 0.01, 16: 0.02}), static_costs(100, 10, False))
+
+
+def _rows(n: int, acceptance: float = 0.9) -> list[AutoRow]:
+    return [AutoRow(acceptance, 8, free=False) for _ in range(n)]
+
+
+def _run(ctl: DraftController, steps: int, plain_s: float, draft_s: float, rows: int = 4):
+    """Drive the controller as the decoder does: choose, then report the step's wall
+    clock (a plain step emits a token a row; a drafting step 3 a row)."""
+    got = []
+    for _ in range(steps):
+        k = ctl.choose_batch_k(_rows(rows), [], rows)
+        if ctl.probing:
+            ctl.observe_realized(rows, draft_s, rows, True, evidence=False)
+        elif k:
+            ctl.observe_realized(rows, draft_s, 3 * rows, True)
+        else:
+            ctl.observe_realized(rows, plain_s, rows, False)
+        got.append(0 if ctl.probing else k)
+    return got
+
+
+def test_drafting_starts_with_a_plain_step_and_checks_plain_now_and_then():
+    # Without live plain steps the guard would compare drafting with a start-up timing.
+    # (Mutation: plain_due always False -> no zeros at all.)
+    got = _run(_optimist(), 400, plain_s=0.010, draft_s=0.012)
+    plain = [i for i, k in enumerate(got) if k == 0]
+    assert plain[0] == 0  # before the first drafting step
+    gaps = [b - a for a, b in zip(plain, plain[1:], strict=False)]
+    assert gaps[:4] == [
+        PLAIN_FIRST + 1,
+        2 * PLAIN_FIRST + 1,
+        4 * PLAIN_FIRST + 1,
+        8 * PLAIN_FIRST + 1,
+    ]
+    assert max(gaps) == PLAIN_MAX + 1 and len(plain) <= 12
+
+
+def test_a_wrong_plain_price_from_start_up_does_not_stand():
+    # The pass model says drafting pays; the steps say a drafting step costs 4x a plain one
+    # for 3x the tokens. Plain checks give the guard live plain steps, and it stops drafting
+    # within a few dozen steps. (Mutation: no plain checks -> it drafts all 300 steps.)
+    got = _run(_optimist(), 300, plain_s=0.010, draft_s=0.040)
+    assert got[:40].count(0) >= 3
+    assert got[60:].count(0) >= 235
+
+
+def test_a_lost_verdict_is_tried_again_and_waits_longer_each_time_it_loses():
+    ctl = _optimist()
+    got = _run(ctl, 60, plain_s=0.010, draft_s=0.040)
+    assert ctl.speculation_lost(4)
+    # Still losing: trials after 64, 128, 256, 512, 512, ... steps, a drafting step each.
+    got = _run(ctl, 2000, plain_s=0.010, draft_s=0.040)
+    trials = [i for i, k in enumerate(got) if k]
+    assert 4 <= len(trials) <= 8
+    gaps = [b - a for a, b in zip(trials, trials[1:], strict=False)]
+    assert gaps == sorted(gaps) and max(gaps) <= GUARD_HOLD + 2 and min(gaps) > GUARD_HOLD_FIRST
+    # Drafting pays again (a lighter load, another workload): the next trial finds it.
+    got = _run(ctl, GUARD_HOLD + 80, plain_s=0.010, draft_s=0.011)
+    assert got[-40:].count(0) <= 2
+
+
+def test_rows_that_would_finish_together_are_priced_as_parted_by_drafting():
+    # 16 equal rows: plain decoding finishes them on one step; a K that pays a step by ~10%
+    # would part them (a leave and a join each, and thin last steps). (Mutation: sync
+    # ignored in _rates -> K = 1 both times.)
+    target = PassCosts({1: 0.0105, 16: 0.018, 32: 0.026, 64: 0.042})
+    ctl = DraftController(target, PassCosts({1: 1e-4, 16: 2e-4}), static_costs(100, 10, False))
+    ctl.observe_realized(16, 0.018, 16, drafted=False)  # a live plain step: no check due
+    rows = _rows(16, acceptance=0.6)
+    assert ctl.choose_batch_k(rows, [], 16, sync=(0, 64.0)) > 0
+    assert ctl.choose_batch_k(rows, [], 16, sync=(15, 64.0)) == 0
+
+
+class _Proposer:
+    members, cold, max_draft = [], {}, None
+
+    @staticmethod
+    def read_cost(keys) -> int:
+        return 0
+
+
+def test_a_settled_plain_step_reads_no_row(monkeypatch):
+    # Once K = 0 is settled for these rows, a step asks nothing of them: no budget, no
+    # lookup proposal. (Mutation: the fast path in DraftPolicy.choose removed -> 16
+    # budget() calls a step.)
+    target = PassCosts({1: 1.0, 2: 2.0, 64: 64.0})  # no K can pay
+    ctl = DraftController(target, PassCosts({1: 0.01}), static_costs(100, 10, False))
+    rows = [
+        batch._Row(i, SamplingParams(0.0), 0, "model", None, ctl.plan("model", True), 99, 1)
+        for i in range(16)
+    ]
+    for row in rows:
+        row.lookup = drafters.LookupIndex([1, 2, 3, 1, 2], min_ngram=2)
+    calls = []
+    budget = batch._Row.budget
+    monkeypatch.setattr(batch._Row, "budget", lambda self: calls.append(1) or budget(self))
+    chooser = policy.DraftPolicy(ctl, _Proposer())
+    chooser.choose(rows)  # priced: K = 0 settles
+    assert calls
+    calls.clear()
+    for _ in range(10):
+        assert all(c.k == 0 for c in chooser.choose(rows))
+    assert calls == []
+
+
+def test_a_lookup_row_without_a_proposal_is_not_priced_as_a_model_draft(monkeypatch):
+    # A greedy "auto" row of drafter "lookup" whose text has nothing to propose takes no
+    # draft, and the batch's K is not priced as if it drafted by the model.
+    # (Mutation: such rows priced as "model" rows -> two rows in `auto`, and the lookup
+    # row asks the draft model for tokens it never gives.)
+    ctl = _optimist()
+    seen = []
+
+    def choose(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
+        seen.append(list(auto))
+        return 2
+
+    monkeypatch.setattr(ctl, "choose_batch_k", choose)
+    lookup = batch._Row(0, SamplingParams(0.0), 0, "lookup", None, ctl.plan("lookup", True), 99, 1)
+    lookup.lookup = drafters.LookupIndex([5, 6, 7, 8])  # no n-gram repeats: no proposal
+    model = batch._Row(1, SamplingParams(0.0), 0, "model", None, ctl.plan("model", True), 99, 1)
+    choices = policy.DraftPolicy(ctl, _Proposer()).choose([lookup, model])
+    assert [(c.k, c.source) for c in choices] == [(0, "none"), (2, "model")]
+    assert len(seen[0]) == 1 and not seen[0][0].free
+
+
+def test_queued_lookup_tokens_propose_what_an_eager_index_does():
+    # `append` only queues tokens; `offer`/`propose` index them first. Against a search of
+    # the whole text for the latest earlier match of the longest suffix.
+    rng = random.Random(7)
+
+    def brute(tokens, k, low, high):
+        for n in range(min(high, len(tokens)), low - 1, -1):
+            suffix = tokens[-n:]
+            for start in range(len(tokens) - n - 1, -1, -1):
+                if tokens[start : start + n] == suffix:
+                    return tokens[start + n : start + n + k]
+        return []
+
+    for _ in range(200):
+        low = rng.choice([1, 2])
+        text = [rng.randrange(4) for _ in range(rng.randrange(1, 12))]
+        lazy = drafters.LookupIndex(text, min_ngram=low)
+        for _ in range(rng.randrange(1, 30)):
+            new = [rng.randrange(4) for _ in range(rng.randrange(1, 4))]
+            text += new
+            lazy.append(new)
+            if rng.random() < 0.4:
+                assert lazy.propose(3) == brute(text, 3, low, 3)
+        assert lazy.propose(3) == brute(text, 3, low, 3)
+
+
+def test_rows_removed_in_one_step_leave_the_caches_in_one_copy(monkeypatch):
+    pair = engine.load_pair(calibrate=False)
+    prompts = [pair.tokenizer.encode(p) for p in ("def f(x):", "import os\n", "class A:", "x = [")]
+    dec = batch.BatchDecoder(pair)
+    for i, ids in enumerate(prompts):
+        dec.add(i, ids, SamplingParams(0.0), seed=0, drafter="model", num_draft_tokens=2,
+                max_tokens=12)  # fmt: skip
+    dec.add(9, prompts[0], SamplingParams(0.0), seed=0, drafter="none", num_draft_tokens=1,
+            max_tokens=12)  # fmt: skip
+    dec.remove(9)  # not joined yet: never prefilled
+    out = {i: [] for i in range(4)}
+    for key, step in dec.step().items():
+        out[key] += step.tokens
+    copies = []
+    select = dec.t_rows.select
+    monkeypatch.setattr(dec.t_rows, "select", lambda rows: copies.append(rows) or select(rows))
+    for key in (0, 2, 3):
+        dec.remove(key)
+    assert len(dec) == 1 and copies == []  # gone for the caller at once, copied later
+    while len(out[1]) < 12:
+        step = dec.step()
+        assert list(step) == [1]
+        out[1] += step[1].tokens
+    assert copies == [[1]]  # one copy for the three rows
+    assert out[1][:12] == reference_greedy(pair, prompts[1], 12)
+
+
+def test_a_backlog_is_read_apart_and_the_text_stays_exact(monkeypatch):
+    # A row not drafted for a while has a backlog in the draft model; the step that drafts
+    # for it again reads the backlog in a pass of its own, timed apart (priced as a one-off
+    # read, not as drafting), and the caches hold exactly the accepted text after it.
+    pair = engine.load_pair(calibrate=False)
+    ctl = pair.controller
+    schedule = iter([1, 0, 0, 0, 0, 0, 2, 2, 0, 0, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3])
+
+    def scheduled(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
+        ctl.probing = False
+        return next(schedule, 1)
+
+    monkeypatch.setattr(ctl, "choose_batch_k", scheduled)
+    reads = []
+    observe_read = ctl.observe_read
+    monkeypatch.setattr(ctl, "observe_read", lambda p, s: reads.append(p) or observe_read(p, s))
+    ids = pair.tokenizer.encode("def fibonacci(n):\n")
+    dec = engine.batch.SpeculativeDecoder(
+        pair, ids, SamplingParams(0.0), max_tokens=40, plan=ctl.plan("model", True)
+    )
+    accepted = list(ids)
+    for step in dec.steps():
+        accepted += step.tokens
+        target_len, draft_len = dec.cache_lengths()
+        assert target_len == len(accepted) - 1
+        assert draft_len == len(accepted) - len(dec.draft_pending)
+    assert accepted[len(ids) :][:40] == reference_greedy(pair, ids, 40)
+    # The first read is the cold prompt; after five plain steps the backlog (minus the
+    # newest token, which the first draft pass reads) is read on its own.
+    assert reads[0] >= len(ids) - 1 and 5 in reads[1:]
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_auto_decodes_exactly_what_plain_decoding_does(rows):
+    # Everything above changes when and how much "auto" drafts, never the text.
+    pair = engine.load_pair(calibrate=False)
+    texts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def"]
+    requests = [
+        engine.GenerationRequest(prompt=texts[i % 3] + " " * (i // 3), max_tokens=24)
+        for i in range(rows)
+    ]
+    auto = dict(engine.generate_many(pair, requests, max_batch=rows))
+    for i, request in enumerate(requests):
+        plain = engine.generate(pair, dataclasses.replace(request, drafter="none"))
+        assert auto[i].token_ids == plain.token_ids
