@@ -50,6 +50,9 @@ MARGIN = 0.03
 #: drafting must then cost no more per emitted token than plain decoding (within MARGIN).
 GUARD_MIN_STEPS = 8
 GUARD_MIN_PLAIN = 3
+#: The first steps of each kind at a batch-size class are no evidence: a process's first
+#: passes of a shape run slow (measured: a false verdict at 1 demo row from them).
+GUARD_SKIP = 2
 #: Per-step decay of the guard's evidence: a step 34 steps old weighs half a new one.
 GUARD_DECAY = 0.98
 #: A verdict against drafting lapses GUARD_HOLD_FIRST steps after the class last drafted;
@@ -59,7 +62,7 @@ GUARD_HOLD_FIRST, GUARD_HOLD = 64, 512
 #: While "auto" drafts at a batch-size class, a plain step runs there first, then after
 #: PLAIN_FIRST steps, each interval twice the last up to PLAIN_MAX: the guard's plain side
 #: and the plain pass price stay live (start-up timings are off by up to a third).
-PLAIN_FIRST, PLAIN_MAX = 4, 64
+PLAIN_FIRST, PLAIN_MAX = 2, 64
 #: While "auto" drafts at a batch-size class, a neighbouring K (one more or one fewer
 #: draft) whose step shape has not run there for EXPLORE_EVERY steps runs one step, at
 #: most one such step every EXPLORE_GAP steps, so that its pass price stays live.

@@ -32,6 +32,7 @@ from .policy import (
     GUARD_HOLD_FIRST,
     GUARD_MIN_PLAIN,
     GUARD_MIN_STEPS,
+    GUARD_SKIP,
     MARGIN,
     PLAIN_FIRST,
     PLAIN_MAX,
@@ -47,13 +48,17 @@ class Evidence:
     tokens: float = 0.0
     steps: int = 0  # steps ever seen
     last: int = 0  # the guard's step count at the newest
+    last_kept: int = 0  # ... at the newest counted (past the first GUARD_SKIP)
 
     def add(self, now: int, seconds: float, tokens: int) -> None:
-        decay = GUARD_DECAY ** (now - self.last)
-        self.seconds = self.seconds * decay + seconds
-        self.tokens = self.tokens * decay + tokens
         self.steps += 1
         self.last = now
+        if self.steps <= GUARD_SKIP:  # a shape's first passes in a process run slow
+            return
+        decay = GUARD_DECAY ** (now - self.last_kept) if self.tokens else 0.0
+        self.seconds = self.seconds * decay + seconds
+        self.tokens = self.tokens * decay + tokens
+        self.last_kept = now
 
     @property
     def per_token(self) -> float:
@@ -81,7 +86,8 @@ class Realized:
             self.hold = min(self.hold * 2, GUARD_HOLD) if lost else GUARD_HOLD_FIRST
 
     def _judged(self) -> bool:
-        return self.plain_ev.steps >= GUARD_MIN_PLAIN and self.spec_ev.steps >= GUARD_MIN_STEPS
+        plain, spec = self.plain_ev.steps, self.spec_ev.steps
+        return plain >= GUARD_SKIP + GUARD_MIN_PLAIN and spec >= GUARD_SKIP + GUARD_MIN_STEPS
 
     @property
     def plain(self) -> float:

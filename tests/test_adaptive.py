@@ -13,7 +13,7 @@ from engine.adaptive import (
     PassCosts,
     static_costs,
 )
-from engine.policy import GUARD_MIN_STEPS
+from engine.policy import GUARD_MIN_STEPS, GUARD_SKIP
 
 
 def _controller() -> DraftController:
@@ -42,7 +42,7 @@ def test_the_model_alone_would_draft():
 
 def test_speculation_that_cost_more_per_token_is_stopped_at_that_batch_size():
     ctl = _controller()
-    for _ in range(GUARD_MIN_STEPS):
+    for _ in range(GUARD_SKIP + GUARD_MIN_STEPS):
         # 4 rows: a plain step emits 4 tokens in 10 ms; a drafting step 6 tokens in 40 ms.
         ctl.observe_realized(4, 0.010, 4, drafted=False)
         ctl.observe_realized(4, 0.040, 6, drafted=True)
@@ -53,7 +53,7 @@ def test_speculation_that_cost_more_per_token_is_stopped_at_that_batch_size():
 
 def test_speculation_that_pays_per_token_goes_on_and_a_lost_size_recovers():
     ctl = _controller()
-    for _ in range(GUARD_MIN_STEPS):
+    for _ in range(GUARD_SKIP + GUARD_MIN_STEPS):
         ctl.observe_realized(4, 0.010, 4, drafted=False)
         ctl.observe_realized(4, 0.015, 12, drafted=True)
     assert _choices(ctl, 4).count(0) == 0
@@ -70,7 +70,7 @@ def test_speculation_that_pays_per_token_goes_on_and_a_lost_size_recovers():
 
 def test_where_speculation_lost_even_accepted_probes_come_less_and_less_often():
     ctl = _controller()
-    for _ in range(GUARD_MIN_STEPS):
+    for _ in range(GUARD_SKIP + GUARD_MIN_STEPS):
         ctl.observe_realized(4, 0.010, 4, drafted=False)
         ctl.observe_realized(4, 0.040, 6, drafted=True)
     probes = 0
@@ -85,7 +85,7 @@ def test_where_speculation_lost_even_accepted_probes_come_less_and_less_often():
 
 def test_sizes_share_the_guard_within_a_power_of_two():
     ctl = _controller()
-    for _ in range(GUARD_MIN_STEPS):
+    for _ in range(GUARD_SKIP + GUARD_MIN_STEPS):
         ctl.observe_realized(16, 0.010, 16, drafted=False)
         ctl.observe_realized(17, 0.060, 30, drafted=True)
     assert ctl.speculation_lost(31) and ctl.speculation_lost(16)
