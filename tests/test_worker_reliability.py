@@ -205,6 +205,25 @@ def test_workers_wait_while_redis_is_full_and_lose_nothing(request, slow_pair_ar
 # -- what the worker takes from RQ ---------------------------------------------------------
 
 
+def test_the_worker_command_channel_stops_at_once(redis_env):
+    # redis-py 8.2 waits for the pubsub thread when it is stopped, and RQ's thread sleeps
+    # 60 s at a time: a --burst worker took up to a minute to exit after its last job.
+    # (Mutation: rqcompat.PUBSUB_WAKE_S = 60 -> about a minute here with redis-py 8.2.)
+    from rq import SimpleWorker
+
+    from worker import rqcompat
+
+    worker = SimpleWorker([], connection=redis_env.conn)
+    rqcompat.subscribe(worker)
+    time.sleep(0.2)
+    worker.pubsub.unsubscribe()
+    time.sleep(0.3)  # the thread has read the reply and waits for a subscription
+    start = time.monotonic()
+    worker.unsubscribe()  # RQ's: stops the thread, then closes the connection
+    assert time.monotonic() - start < 5
+    assert not worker.pubsub_thread.is_alive()
+
+
 def test_every_rq_private_name_the_worker_uses_still_exists(redis_env):
     """worker.rqcompat lists them; an RQ release that renames one fails here, not in a
     worker in the middle of a batch."""

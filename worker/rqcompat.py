@@ -26,7 +26,24 @@ PRIVATE_NAMES: list[tuple[type, str, tuple[str, ...] | None]] = [
     (BaseWorker, "_finalize_success", ("self", "job", "queue", "execution", "return_value")),
     (BaseWorker, "_finalize_failure", ("self", "job", "queue", "execution", "exc_info")),
     (BaseWorker, "_stop_requested", None),
+    (BaseWorker, "_pubsub_exception_handler", ("self", "exc", "pubsub", "pubsub_thread")),
 ]
+
+#: How often the worker's pubsub thread wakes (RQ's own: 60 s). redis-py 8.2's
+#: `PubSubWorkerThread.stop()` waits for the thread, which sleeps that long in a wait for
+#: messages once unsubscribed: a `--burst` worker took up to a minute to exit.
+PUBSUB_WAKE_S = 1.0
+
+
+def subscribe(worker: BaseWorker) -> None:
+    """RQ's `subscribe` (the worker's command channel), with the thread waking every
+    PUBSUB_WAKE_S so that stopping it, at the worker's exit, waits at most that long."""
+    worker.log.info("Worker %s: subscribing to channel %s", worker.name, worker.pubsub_channel_name)
+    worker.pubsub = worker.connection.pubsub()
+    worker.pubsub.subscribe(**{worker.pubsub_channel_name: worker.handle_payload})
+    worker.pubsub_thread = worker.pubsub.run_in_thread(
+        sleep_time=PUBSUB_WAKE_S, daemon=True, exception_handler=worker._pubsub_exception_handler
+    )
 
 
 class CallbackNames(NamedTuple):

@@ -122,6 +122,9 @@ class SpecWorker(SimpleWorker):
         super().__init__(*args, **kwargs)
         self._rescue = self.connection.register_script(_RESCUE_LUA)
 
+    def subscribe(self) -> None:
+        rqcompat.subscribe(self)  # RQ's, with a short wake-up (see there)
+
     def work(self, *args, max_jobs: int | None = None, **kwargs) -> bool:
         # RQ counts jobs; --max-jobs counts lines, here.
         self.jobs_left = max_jobs
