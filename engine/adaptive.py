@@ -51,6 +51,7 @@ from .policy import (
     LOOKUP_MAX_DRAFT,
     MARGIN,
     MAX_AUTO_DRAFT,
+    OUTLIER,
     PASS_SIZES,
     PRIOR_ACCEPTANCE,
     PRIOR_WEIGHT,
@@ -69,9 +70,17 @@ from .realized import Realized
 HYBRID_LOOKUP = "model+lookup"
 
 
+def _clip(sample: float, current: float) -> float:
+    """A live sample, as far as OUTLIER times off the current value at most: one slow
+    step (a shape's first pass in a process, a load burst) must not set a price for as
+    long as nothing measures it again (measured: one warm-up step 4x slow priced
+    drafting out at one row for good)."""
+    return min(max(sample, current / OUTLIER), current * OUTLIER)
+
+
 def _ema(table: dict, key, seconds: float) -> None:
     old = table.get(key)
-    table[key] = seconds if old is None else old + LIVE_EMA * (seconds - old)
+    table[key] = seconds if old is None else old + LIVE_EMA * (_clip(seconds, old) - old)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -124,10 +133,10 @@ class PassCosts:
         if not self.seen:
             self.seen, self.scale = True, seconds / curve
         else:
-            self.scale += EMA * (seconds / curve - self.scale)
+            self.scale += EMA * (_clip(seconds / curve, self.scale) - self.scale)
         # What the load factor does not explain belongs to this size.
         c = self.correction.get(n, 1.0)
-        self.correction[n] = c + SHAPE_EMA * (seconds / (self._curve(n) * self.scale) - c)
+        self.correction[n] = c + SHAPE_EMA * (_clip(seconds / (self._curve(n) * self.scale), c) - c)
 
 
 def static_pass_costs(per_position: float) -> PassCosts:
@@ -731,14 +740,19 @@ class DraftController:
         """Fold one measured step into the live costs: the curves' load factors, and the
         seconds of this exact shape (a batch pass is not priced well by a one-row curve:
         per-row overheads make a draft pass over many rows cost about a target pass)."""
+        # A shape's first pass in a process runs slow (2-4x measured at one demo row, new
+        # buffers): it prices nothing.
+        first = (rows, width) not in self.shape_seen
+        self.shape_seen[(rows, width)] = self.now
+        if first:
+            return
         self.target.observe(rows * width, verify_s)
         factor = verify_s / self.target._curve(rows * width)
         if (rows, width) in self.calibrated_keys:  # a start-up timing: the live one replaces it
             self.calibrated_keys.discard((rows, width))
-            self.live_target[(rows, width)] = factor
+            self.live_target[(rows, width)] = _clip(factor, self.live_target[(rows, width)])
         else:
             _ema(self.live_target, (rows, width), factor)
-        self.shape_seen[(rows, width)] = self.now
         if width == 1:
             self.plain_seen[rows] = self.now
         elif self.now - self.plain_seen.get(rows, -RELATIVE_FRESH - 1) <= RELATIVE_FRESH:

@@ -40,6 +40,9 @@ EMA = 0.1
 SHAPE_EMA = 0.05
 #: How fast the measured seconds of one batch shape (rows, width) follow live timings.
 LIVE_EMA = 0.2
+#: A live timing more than this many times off a price moves it as if it were this far
+#: off (adaptive._clip): a persistent change is still followed within a few steps.
+OUTLIER = 2.0
 #: Steps between probes when K = 0 (first), and the most a run of failed probes stretches it.
 PROBE_FIRST, PROBE_MAX = 8, 256
 #: Speculation must beat plain decoding by this share in the model before it is used: a

@@ -286,9 +286,24 @@ def test_a_step_that_admitted_rows_prices_nothing():
 
     policy.observe(outcome(joined=True))
     assert ctl.live_target == {} and ctl.overhead == {} and ctl.realized == {}
+    policy.observe(outcome(joined=False))  # the shape's first pass prices nothing
+    assert ctl.live_target == {} and ctl.realized
     policy.observe(outcome(joined=False))
-    assert (4, 1) in ctl.live_target and ctl.realized
+    assert (4, 1) in ctl.live_target
     assert (DraftController.size_class(4), False) in ctl.overhead
+
+
+def test_a_shape_s_first_pass_in_a_process_prices_nothing():
+    # Measured at one demo row: each new (rows, width) ran its first pass 2-4x slow. Folded
+    # in, that one step priced drafting out for as long as nothing ran it again (a
+    # settled K = 0 then runs no drafting step). (Mutation: the first pass folded in ->
+    # the 4x price stands.)
+    ctl = _controller()
+    ctl.observe_step(1, 1, 0.004, 0, 0, 0.0)
+    ctl.observe_step(1, 1, 0.004, 0, 0, 0.0)
+    ctl.observe_step(1, 3, 0.016, 2, 1, 0.002)  # the first (1, 3) pass: 4x slow
+    ctl.observe_step(1, 3, 0.0045, 2, 1, 0.001)
+    assert ctl._target_pass(1, 3) == pytest.approx(0.0045, rel=0.01)
 
 
 def test_plain_steps_of_a_batch_are_priced_from_a_measured_batch_pass():
