@@ -112,16 +112,20 @@ def test_caches_hold_exactly_the_accepted_text_after_every_step(demo, temperatur
     assert mx.allclose(fresh, cached, atol=1e-4).item()
 
 
-def test_greedy_auto_drafts_by_lookup_where_text_repeats_and_stays_exact(demo):
+def test_greedy_auto_drafts_by_lookup_where_text_repeats_and_stays_exact(demo, monkeypatch):
     # "auto" with the model drafter also takes free lookup drafts once the text repeats
     # itself; the draft model then owes those tokens and catches up on its next step.
     text = "def parse(text):\n    for line in text.splitlines():\n        yield line\n\n"
     ids = demo.tokenizer.encode(text * 3 + "def parse(text):\n    for")
     ref = reference_greedy(demo, ids, 120)
     # A fresh controller: what earlier tests measured here may say drafting does not pay.
+    # Its prices stay the static model's: this is the hybrid's mechanism, not this
+    # machine's timings (on a loaded machine a shape's first passes can price drafting out).
     from engine.adaptive import DraftController
 
     demo.controller = DraftController.for_pair(demo, calibrate=False)
+    for name in ("observe_step", "observe_realized", "observe_overhead", "observe_churn"):
+        monkeypatch.setattr(demo.controller, name, lambda *a, **k: None)
     plan = demo.controller.plan("model", greedy=True)
     assert plan.lookup is not None
     dec = SpeculativeDecoder(
