@@ -326,7 +326,6 @@ class DraftController:
     now: int = 0  # steps observed: the clock of the guard and of live_relative's freshness
     # Keys of live_target still holding a start-up timing: the first live one replaces it.
     calibrated_keys: set = field(default_factory=set)
-    plain_seen: dict = field(default_factory=dict)  # rows -> `now` of its last live plain step
     # size class -> seconds of one change of rows (rows leaving or joining copy the caches)
     churn: dict = field(default_factory=dict)
     checking: Realized | None = None  # the class whose plain check this step is
@@ -561,8 +560,9 @@ class DraftController:
         (`probing` set) asks for one draft: the decoder gives it to one row only.
 
         `warm` and `sync` (rows in step that drafting would part, see `_rates`) may be
-        functions giving those pairs, called only when the step is priced. `key` and `offer` as for `reuse_settled` (`offer` defaults to the free drafts of
-        `auto`); `rows` is the batch size (default: the rows given). Where drafting pays
+        functions giving those pairs, called only when the step is priced. `key` and
+        `offer` as for `reuse_settled` (`offer` defaults to the free drafts of `auto`);
+        `rows` is the batch size (default: the rows given). Where drafting pays
         but the guard has no recent plain step at this batch size, the step runs plain
         (realized.Realized.plain_due)."""
         self.probing = False
@@ -587,7 +587,6 @@ class DraftController:
         bar = rates[0] * (1 + MARGIN)
         # If even perfect acceptance cannot pay at any K (a saturated device: batching
         # and speculation compete for the same compute), plain decoding, and no probe.
-        c = self.size_class(rows)
         if max(ceilings[1:]) <= bar:
             self._settle(*settle, may_probe=False)
             return 0
@@ -603,6 +602,7 @@ class DraftController:
                 self._probe_failed(rows, drafted_rows)
         if pays:
             self.steps_since_probe = 0
+            c = self.size_class(rows)
             group = self.realized.setdefault(c, Realized())
             if group.plain_due(self.now):
                 self.checking = group
@@ -753,11 +753,13 @@ class DraftController:
             self.live_target[(rows, width)] = _clip(factor, self.live_target[(rows, width)])
         else:
             _ema(self.live_target, (rows, width), factor)
-        if width == 1:
-            self.plain_seen[rows] = self.now
-        elif self.now - self.plain_seen.get(rows, -RELATIVE_FRESH - 1) <= RELATIVE_FRESH:
+        # A live plain pass (not a start-up timing), timed lately.
+        plain = self.live_target.get((rows, 1))
+        live = plain is not None and (rows, 1) not in self.calibrated_keys
+        fresh = self.now - self.shape_seen.get((rows, 1), -RELATIVE_FRESH - 1) <= RELATIVE_FRESH
+        if width > 1 and live and fresh:
             # Against a plain pass timed at about the same context only (see live_relative).
-            _ema(self.live_relative, (rows, width), factor / self.live_target[(rows, 1)])
+            _ema(self.live_relative, (rows, width), factor / plain)
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
             per_pass = draft_s / (1 if self.block else depth)
             self.draft.observe(drafted_rows, per_pass)

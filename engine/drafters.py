@@ -133,7 +133,6 @@ class _Member:
     seed: int
     position: int = 0  # output position of the row's next token
     used: bool = field(default=False)  # its drafts this step came from the model
-    fed: int = 0  # pending tokens the step in progress read (all of them if used)
 
 
 class ModelProposer(Proposer):
@@ -144,9 +143,10 @@ class ModelProposer(Proposer):
     A row joins cold: the draft model reads nothing of it until the row first asks for
     drafts, and then takes its prompt and everything emitted so far in one prefill. So
     rows that "auto" never drafts for (plain decoding pays better, as in large batches
-    on a CPU) cost the draft model nothing. A step's first pass is as wide as the
-    longest backlog of the rows that draft; the other rows read as much of theirs as
-    fits in that width, for free (their positions are computed either way).
+    on a CPU) cost the draft model nothing. A row it has not drafted for lately has a
+    backlog (accepted tokens it has not read), read in a pass of its own before the
+    step drafts (`_catch_up`); rows that do not draft read theirs a token a pass, for
+    free (their positions are computed either way).
     """
 
     kind = "model"
@@ -162,7 +162,8 @@ class ModelProposer(Proposer):
         self.depth = 0  # draft passes of the step in progress (reset by commit)
         self.depth_run = 0  # draft passes run by the last propose()
         self._sampled: list[_Member] = []  # members drawing samples at this depth
-        self.last_read: tuple[int, float] | None = None  # (positions, seconds) of a prefill
+        # (positions, seconds) of this step's one-off reads: cold rows, a backlog
+        self.last_read: tuple[int, float] | None = None
 
     def admit(self, joining: list[Joining], context=None) -> None:
         """Rows that draft by the model join cold (see the class docstring); the others
@@ -197,10 +198,10 @@ class ModelProposer(Proposer):
 
     def read_cost(self, keys) -> int:
         """Positions the draft model runs, beyond a step's usual one-token pass, before it
-        can draft for these rows: the cold ones' prefill, then a first pass as wide as
-        the longest backlog among them (accepted tokens it has not read) over every row
-        it holds. A row drafted every step has no backlog; one left out of drafting for
-        n steps has n tokens of it."""
+        can draft for these rows: the cold ones' prefill, then a catch-up pass as wide
+        as the longest backlog among them (accepted tokens it has not read, less the
+        newest) over every row it holds. A row drafted every step has no backlog; one
+        left out of drafting for n steps has n tokens of it."""
         keys = set(keys)
         prefill = sum(self.cold_tokens(k) for k in keys if k in self.cold)
         backlog = max((len(m.pending) for m in self.members if m.key in keys), default=1)
@@ -234,23 +235,16 @@ class ModelProposer(Proposer):
         if max(len(m.pending) for m in members if m.used) > 1:
             self._catch_up()
         self.rows.checkpoint()  # what the draft passes add may roll back; nothing before
-        # As wide as the longest backlog of the rows that draft: the others read what fits.
-        width = max(len(m.pending) for m in members if m.used)
-        for m in members:
-            m.fed = len(m.pending) if m.used else min(width, len(m.pending))
-        feed = mx.array([m.pending[: m.fed] + [0] * (width - m.fed) for m in members])
-        last = mx.array([max(m.fed - 1, 0) for m in members])
+        # One token a row: a drafting row's newest (its only pending one now), the next of
+        # its backlog for a row that does not draft.
+        feed = mx.array([[m.pending[0]] for m in members])
         dv = self.draft_vocab
         tokens, laws = [], []
         for step in range(depth):
             out = self.model(feed, cache=self.cache)
-            if step == 0:
-                logits = mx.take_along_axis(out, last[:, None, None], axis=1)[:, 0, :dv]
-                self.rows.advance(width, [m.fed for m in members])
-            else:
-                # Rows that do not draft keep none of their chained draft positions.
-                logits = out[:, -1, :dv]
-                self.rows.advance(1, [1 if m.used else 0 for m in members])
+            logits = out[:, -1, :dv]
+            # Rows that do not draft keep their first pass's token, none of the chained ones.
+            self.rows.advance(1, [1 if m.used or step == 0 else 0 for m in members])
             tok, law = self._sample(logits, step)
             tokens.append(tok)
             laws.append(law)
@@ -327,9 +321,9 @@ class ModelProposer(Proposer):
             if depth == 0:  # the draft did not run: it owes these tokens
                 m.pending.extend(out)
                 continue
-            if not m.used:  # it read `fed` of its backlog and kept no draft position
+            if not m.used:  # it read one token of its backlog and kept no draft position
                 drop.append(0)
-                m.pending = m.pending[m.fed :] + out
+                m.pending = m.pending[1:] + out
                 continue
             # Its cache holds pending + depth - 1 drafted tokens; keep those the target
             # accepted.

@@ -57,7 +57,8 @@ class Proposer(Protocol):
     rows: Any = None
     #: Passes run by the last `propose` (statistics, pass pricing).
     depth_run: int = 0
-    #: (positions, seconds) of the last read of cold rows, or None (read-cost pricing).
+    #: (positions, seconds) of the last step's one-off reads (cold rows, a backlog), or
+    #: None (read-cost pricing).
     last_read: tuple[int, float] | None = None
 
     #: The rows it has read, in its row order (cold rows excluded).

@@ -181,7 +181,7 @@ class DraftPolicy:
         """Every row's draft this step (a lookup proposal's tokens included)."""
         self._probing = False
         mix = self._mix or self._classify(rows)
-        if mix == "plain" or self.controller is None and mix == "greedy":
+        if mix == "plain" or (self.controller is None and mix == "greedy"):
             return [Choice() for _ in rows]
         k = None
         if mix == "greedy":
@@ -263,12 +263,13 @@ class DraftPolicy:
     def _choose_auto(self, auto, fixed, auto_rows, rows: list, k: int | None) -> None:
         ctl = self.controller
         if k is None:
+            key = self._key(tuple(fixed))
             k = ctl.choose_batch_k(
                 auto,
                 fixed,
-                self._key(())[2],
+                key[2],  # rows the draft model would run over
                 lambda: self._read_cost(auto_rows),
-                key=self._key(tuple(fixed)),
+                key=key,
                 offer=self._offer(),
                 rows=len(rows),
                 sync=lambda: self._in_step(rows),
