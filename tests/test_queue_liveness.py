@@ -151,11 +151,18 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_still_runs(
     taken = redis_env.conn.lmove(queue.key, queue.intermediate_queue_key, "LEFT", "RIGHT")
     assert taken is not None and queue.count == 2
     worker = start_worker(*PAIR_ARGS)
+    # And the id of a job finished and deleted (result TTL 0) after a second delivery of
+    # it was queued: RQ takes such an id into the list and skips it (its own sweep, at
+    # start and every 10 minutes, drops it). The reaper drops it, not puts it back.
+    worker.wait_for_log("cleaning group registries", 60)  # after its sweep
+    redis_env.conn.rpush(queue.intermediate_queue_key, "finished-and-deleted")
     _wait_until(lambda: _done(redis_env, batch) == len(lines), 120, "every line answered")
+    _wait_until(lambda: "finished-and-deleted: gone" in worker.log, 30, "the gone id dropped")
     worker.stop()
     results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
     assert _check_once_each(results, [x["custom_id"] for x in lines]) == (0, 0)
     # Answered, not failed (RQ's own sweep, ten minutes on, would fail it as "stuck").
     assert [r["error"] for r in results] == [None] * len(lines)
     assert "died before starting it: put back" in worker.log
+    assert "job finished-and-deleted was taken off" not in worker.log
     assert redis_env.conn.llen(queue.intermediate_queue_key) == 0

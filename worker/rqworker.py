@@ -66,8 +66,14 @@ log = logging.getLogger("specfleet.worker")
 
 # Move a job id from a queue's intermediate list back to the front of the queue, only
 # if it is still in that list (another worker's rescue, or RQ's own sweep, may have won).
+#: Put a stranded job id back at the front of its queue: 1 if it was put back, 2 if it
+#: was dropped because its job is gone (finished and deleted: a second delivery's id,
+#: which RQ takes off the queue into the list and then skips), 0 if no longer there.
 _RESCUE_LUA = """
 if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
+    if redis.call('EXISTS', KEYS[3]) == 0 then
+        return 2
+    end
     redis.call('LPUSH', KEYS[2], ARGV[1])
     return 1
 end
@@ -269,7 +275,11 @@ class SpecWorker(SimpleWorker):
         RQ's own sweep of the list runs only every maintenance interval (10 minutes).
         A live worker moves a job through in milliseconds, so a job seen there, outside
         the started registry, for longer than a heartbeat TTL is stranded: it goes back
-        to the front of its queue (atomically: only if it is still in the list)."""
+        to the front of its queue (atomically: only if it is still in the list). An id
+        whose job is gone is dropped instead: a second delivery of a job (queued again
+        by a clean-up while its first run went on) that the first run finished and
+        deleted; RQ takes such an id into the list and skips it, and putting it back
+        would only start the round again, every heartbeat TTL."""
         now = time.monotonic()
         ids = [
             i.decode() if isinstance(i, bytes) else i
@@ -287,7 +297,11 @@ class SpecWorker(SimpleWorker):
             if now - first < self.heartbeat_ttl:
                 continue
             del seen[job_id]
-            if self._rescue(keys=[queue.intermediate_queue_key, queue.key], args=[job_id]):
+            keys = [queue.intermediate_queue_key, queue.key, self.job_class.key_for(job_id)]
+            done = self._rescue(keys=keys, args=[job_id])
+            if done == 2:
+                log.info("job %s: gone (finished), its id dropped from %s", job_id, queue.name)
+            elif done:
                 log.warning(
                     "job %s was taken off queue %s by a worker that died before starting "
                     "it: put back",
