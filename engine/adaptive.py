@@ -32,9 +32,12 @@ for a sampled row's.
 from __future__ import annotations
 
 import bisect
+import functools
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from statistics import NormalDist
 
 import mlx.core as mx
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
@@ -81,6 +84,28 @@ def _clip(sample: float, current: float) -> float:
 def _ema(table: dict, key, seconds: float) -> None:
     old = table.get(key)
     table[key] = seconds if old is None else old + LIVE_EMA * (_clip(seconds, old) - old)
+
+
+@functools.lru_cache(maxsize=256)
+def _normal_range(m: int) -> float:
+    """Expected range of m standard normal samples (Blom's approximation of the
+    largest, twice): 1.13 for 2, 2.06 for 4, 3.53 for 16, 4.12 for 32."""
+    if m < 2:
+        return 0.0
+    return 2.0 * NormalDist().inv_cdf((m - 0.375) / (m + 0.25))
+
+
+def finish_steps(rows: int, left: float, mean: float, variance: float) -> float:
+    """About how many different steps `rows` rows in step, with `left` tokens each to
+    go, finish on when each step emits `mean` tokens a row with this `variance`: 1 when
+    every row emits the same count (plain decoding, or drafts always all accepted), up to
+    `rows`. A row's steps to finish have a standard deviation of about
+    sqrt(left * variance / mean**3) (renewal theory); the rows spread over the expected
+    range of that many normal samples."""
+    if rows < 2 or variance <= 0.0 or mean <= 0.0:
+        return 1.0
+    spread = math.sqrt(max(left, 1.0) * variance / mean**3)
+    return min(float(rows), 1.0 + _normal_range(rows) * spread)
 
 
 def expected_tokens(a: float, k: int) -> float:
@@ -472,13 +497,12 @@ class DraftController:
         return self.step_seconds(rows, 1, 0, 0)
 
     def parting_seconds(self, rows: int) -> float:
-        """What it costs when drafting parts a row from the rows it would have finished
-        beside: it leaves, and its successor joins, on changes of their own (two copies
-        of the caches), and the last rows of a batch finish one by one in thinner steps
-        instead of together (about one plain step a row). Measured on a batch of equal
-        requests at 16 demo rows: K = 1 ran its full steps as fast per token as plain
-        decoding, and lost 12% in all to the joins and the thin last steps, about a
-        plain step per row."""
+        """What it costs each time drafting has rows that plain decoding would finish on
+        one step finish on a step of their own (`finish_steps`): they leave, and their
+        successors join, on changes of their own (two copies of the caches), and the last
+        rows of a batch finish in a thinner step more (about a plain step). Measured on a
+        batch of equal requests at 16 demo rows: K = 1 ran its full steps as fast per token
+        as plain decoding, and lost 12% in all to the joins and the thin last steps."""
         return 2 * self.change_seconds(rows) + self.step_seconds(rows, 1, 0, 0)
 
     def observe_churn(self, rows: int, seconds: float) -> None:
@@ -500,8 +524,10 @@ class DraftController:
 
         `sync` = (rows in step, tokens left): that many rows share their tokens left with
         another row, so plain decoding finishes them on one step; drafting moves rows on
-        by different counts and parts them (`parting_seconds` each), spread over the
-        steps they have left at each K."""
+        by different counts and spreads their finishing over more steps (`finish_steps`
+        at each K's mean and variance of tokens a row-step: none at perfect acceptance,
+        up to a step a row at a low one), `parting_seconds` each step more, that cost
+        spread over the steps they have left at each K."""
         groups = Counter((round(r.acceptance, 2), r.cap, r.free) for r in auto)
         base_tokens = sum(expected_tokens(f.acceptance, f.k) for f in fixed)
         fixed_width = max((f.k for f in fixed), default=0)
@@ -509,23 +535,31 @@ class DraftController:
         positions, horizon = warm
         warm_s = self.warm_seconds(positions) if positions else 0.0
         parted, left = sync
-        part_s = parted * self.parting_seconds(rows) if parted else 0.0
+        part_s = self.parting_seconds(rows) if parted else 0.0
         # Expected and perfect tokens of the step at each K, one group at a time (a
         # group's expected tokens grow by a power of its acceptance per K, up to its cap).
         size = k_max + 1
         tokens, perfect = [base_tokens] * size, [base_tokens] * size
+        # The "auto" rows' tokens a row-step: their sum and the sum of their variances.
+        mean_sum, var_sum = [0.0] * size, [0.0] * size
         cap_all = cap_model = 0
         for (a, cap, free), n in groups.items():
             cap_all = max(cap_all, cap)
             if not free:
                 cap_model = max(cap_model, cap)
             e, power = 1.0, a  # expected tokens at K = 0; a ** (K + 1)
+            e2, pk = 1.0, 1.0  # E[tokens ** 2] at K = 0; a ** K
             for k in range(size):
                 if 0 < k <= cap:
                     power *= a
                     e = k + 1.0 if a >= 1.0 else (1.0 - power) / (1.0 - a)
+                    # A draft more: the all-accepted chance a ** k moves up a token.
+                    pk *= a
+                    e2 += pk * (2 * k + 1)
                 tokens[k] += n * e
                 perfect[k] += n * (min(k, cap) + 1.0)
+                mean_sum[k] += n * e
+                var_sum[k] += n * max(e2 - e * e, 0.0)
         rates, ceilings = [], []
         floor = 0.0
         for k in range(size):
@@ -538,7 +572,11 @@ class DraftController:
                 # Steps the cold rows have left at this K's pace: horizon / tokens per row-step.
                 seconds += warm_s * min((tokens[k] / rows) / max(horizon, 1.0), 1.0)
             if part_s and k:
-                seconds += part_s * min((tokens[k] / rows) / max(left, 1.0), 1.0)
+                # The rows in step as one group (`parted` share their tokens left with
+                # another row: one more than that), at the "auto" rows' mean and variance.
+                n = len(auto)
+                spread = finish_steps(parted + 1, left, mean_sum[k] / n, var_sum[k] / n)
+                seconds += (spread - 1.0) * part_s * min((tokens[k] / rows) / max(left, 1.0), 1.0)
             rates.append(tokens[k] / seconds)
             ceilings.append(perfect[k] / seconds)
         return rates, ceilings
