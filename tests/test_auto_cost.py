@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+import time
 
 import pytest
 from tiny_models import reference_greedy
@@ -226,6 +227,29 @@ def test_rows_removed_in_one_step_leave_the_caches_in_one_copy(monkeypatch):
         out[1] += step[1].tokens
     assert copies == [[1]]  # one copy for the three rows
     assert out[1][:12] == reference_greedy(pair, prompts[1], 12)
+
+
+def test_a_change_of_rows_is_priced_without_the_work_each_joining_row_costs(monkeypatch):
+    # A change of rows (priced for rows that drafting parts) is the copy of the caches; the
+    # drafter's reading of the joining rows is work each row costs once however rows join
+    # (a DFlash drafter: ~50 ms a row at 100M, which kept 4 equal rows from drafting).
+    # (Mutation: the proposer's admit timed as part of the join -> churn >= 50 ms.)
+    pair = engine.load_pair(calibrate=False)
+    dec = batch.BatchDecoder(pair)
+    admit = dec.proposer.admit
+
+    def slow_admit(*args, **kwargs):
+        time.sleep(0.05)
+        return admit(*args, **kwargs)
+
+    monkeypatch.setattr(dec.proposer, "admit", slow_admit)
+    churn = []
+    monkeypatch.setattr(dec.policy.controller, "observe_churn", lambda n, s: churn.append(s))
+    dec.add(0, pair.tokenizer.encode("def f(x):"), SamplingParams(0.0), seed=0,
+            drafter="model", num_draft_tokens="auto", max_tokens=4,
+            plan=pair.controller.plan("model", True))  # fmt: skip
+    dec.step()
+    assert len(churn) == 1 and churn[0] < 0.04
 
 
 def test_a_backlog_is_read_apart_and_the_text_stays_exact(monkeypatch):
