@@ -330,9 +330,12 @@ class DraftPolicy:
     def observe(self, outcome: Outcome) -> None:
         """Fold one finished step into the rows' plans and the controller's costs."""
         probe = None
+        fixed_drafted = False  # a row drafted at a length its request fixed, not "auto"'s
         for row, c, d, n in zip(
             outcome.rows, outcome.choices, outcome.drafts, outcome.accepted, strict=True
         ):
+            if d and row.fixed_k is not None:
+                fixed_drafted = True
             if row.plan is None or row.fixed_k is not None or not d:
                 continue
             plan = row.plan.lookup if (c.source == "lookup" and row.plan.lookup) else row.plan
@@ -369,7 +372,11 @@ class DraftPolicy:
         seconds = time.perf_counter() - outcome.started
         drafted = outcome.width > 1
         # The draft model's one-off reads are priced apart (observe_read), not as drafting.
-        ctl.observe_realized(n_rows, seconds - read_s, emitted, drafted, evidence=not probing)
+        # A step drafted at a length a request fixed is no evidence of what "auto"'s drafting
+        # pays (measured: fixed K = 7 DFlash requests at temperature 1, slower than plain,
+        # had the guard stop "auto" drafting at one row for the rest of the process).
+        evidence = not probing and not fixed_drafted
+        ctl.observe_realized(n_rows, seconds - read_s, emitted, drafted, evidence=evidence)
         # Row changes are priced apart (observe_churn); the guard counts them in.
         other = seconds - outcome.draft_s - outcome.verify_s - outcome.churn_s
         ctl.observe_overhead(n_rows, other, drafted)

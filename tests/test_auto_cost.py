@@ -176,6 +176,33 @@ def test_a_lookup_row_without_a_proposal_is_not_priced_as_a_model_draft(monkeypa
     assert len(seen[0]) == 1 and not seen[0][0].free
 
 
+def test_steps_drafted_at_a_fixed_length_are_no_evidence_for_the_guard(monkeypatch):
+    # The guard judges what "auto"'s drafting pays; a request that fixed its own K (say
+    # K = 7 at a poor acceptance, slower than plain) must not stop "auto" drafting at that
+    # batch size. (Mutation: every non-probe step counted -> the fixed step is evidence;
+    # measured: DFlash fixed-K requests earlier in a process kept "auto" from drafting a
+    # long-context request, 1.00x plain against 1.63x alone.)
+    ctl = _optimist()
+    seen = []
+    monkeypatch.setattr(
+        ctl, "observe_realized", lambda n, s, e, drafted, evidence=True: seen.append(evidence)
+    )
+    chooser = policy.DraftPolicy(ctl, None)
+
+    def step(fixed_k):
+        plan = ctl.plan("model", True)
+        row = batch._Row(0, SamplingParams(0.0), 0, "model", fixed_k, plan, 99, 1)
+        choice = policy.Choice(k=3, source="model")
+        start = time.perf_counter() - 0.01
+        chooser.observe(
+            policy.Outcome([row], [choice], [[5, 6, 7]], [1], 4, 0.002, 0.005, start, False)
+        )
+
+    step(fixed_k=3)
+    step(fixed_k=None)
+    assert seen == [False, True]
+
+
 def test_queued_lookup_tokens_propose_what_an_eager_index_does():
     # `append` only queues tokens; `offer`/`propose` index them first. Against a search of
     # the whole text for the latest earlier match of the longest suffix.
