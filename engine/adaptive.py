@@ -540,8 +540,8 @@ class DraftController:
         # group's expected tokens grow by a power of its acceptance per K, up to its cap).
         size = k_max + 1
         tokens, perfect = [base_tokens] * size, [base_tokens] * size
-        # The "auto" rows' tokens a row-step: their sum and the sum of their variances.
-        mean_sum, var_sum = [0.0] * size, [0.0] * size
+        # The sum of the "auto" rows' variances of tokens a row-step (rows in step only).
+        var_sum = [0.0] * size
         cap_all = cap_model = 0
         for (a, cap, free), n in groups.items():
             cap_all = max(cap_all, cap)
@@ -553,13 +553,13 @@ class DraftController:
                 if 0 < k <= cap:
                     power *= a
                     e = k + 1.0 if a >= 1.0 else (1.0 - power) / (1.0 - a)
-                    # A draft more: the all-accepted chance a ** k moves up a token.
-                    pk *= a
-                    e2 += pk * (2 * k + 1)
+                    if part_s:  # a draft more: the all-accepted chance a ** k moves up a token
+                        pk *= a
+                        e2 += pk * (2 * k + 1)
                 tokens[k] += n * e
                 perfect[k] += n * (min(k, cap) + 1.0)
-                mean_sum[k] += n * e
-                var_sum[k] += n * max(e2 - e * e, 0.0)
+                if part_s:
+                    var_sum[k] += n * max(e2 - e * e, 0.0)
         rates, ceilings = [], []
         floor = 0.0
         for k in range(size):
@@ -575,7 +575,8 @@ class DraftController:
                 # The rows in step as one group (`parted` share their tokens left with
                 # another row: one more than that), at the "auto" rows' mean and variance.
                 n = len(auto)
-                spread = finish_steps(parted + 1, left, mean_sum[k] / n, var_sum[k] / n)
+                mean = (tokens[k] - base_tokens) / n
+                spread = finish_steps(parted + 1, left, mean, var_sum[k] / n)
                 seconds += (spread - 1.0) * part_s * min((tokens[k] / rows) / max(left, 1.0), 1.0)
             rates.append(tokens[k] / seconds)
             ceilings.append(perfect[k] / seconds)

@@ -373,8 +373,8 @@ class DraftPolicy:
         drafted = outcome.width > 1
         # The draft model's one-off reads are priced apart (observe_read), not as drafting.
         # A step drafted at a length a request fixed is no evidence of what "auto"'s drafting
-        # pays (measured: fixed K = 7 DFlash requests at temperature 1, slower than plain,
-        # had the guard stop "auto" drafting at one row for the rest of the process).
+        # pays: a fixed K at a poor acceptance, slower than plain, would stop "auto" drafting
+        # at that batch size.
         evidence = not probing and not fixed_drafted
         ctl.observe_realized(n_rows, seconds - read_s, emitted, drafted, evidence=evidence)
         # Row changes are priced apart (observe_churn); the guard counts them in.

@@ -179,9 +179,7 @@ def test_a_lookup_row_without_a_proposal_is_not_priced_as_a_model_draft(monkeypa
 def test_steps_drafted_at_a_fixed_length_are_no_evidence_for_the_guard(monkeypatch):
     # The guard judges what "auto"'s drafting pays; a request that fixed its own K (say
     # K = 7 at a poor acceptance, slower than plain) must not stop "auto" drafting at that
-    # batch size. (Mutation: every non-probe step counted -> the fixed step is evidence;
-    # measured: DFlash fixed-K requests earlier in a process kept "auto" from drafting a
-    # long-context request, 1.00x plain against 1.63x alone.)
+    # batch size. (Mutation: every non-probe step counted -> the fixed step is evidence.)
     ctl = _optimist()
     seen = []
     monkeypatch.setattr(
