@@ -53,6 +53,9 @@ MARGIN = 0.03
 #: drafting must then cost no more per emitted token than plain decoding (within MARGIN).
 GUARD_MIN_STEPS = 8
 GUARD_MIN_PLAIN = 3
+#: ... and only while its drafting steps, decayed by GUARD_DECAY, weigh at least this many
+#: steps (engine/realized.py: a verdict is never one fresh step after a long plain stretch).
+GUARD_MIN_WEIGHT = 4.0
 #: The first steps of each kind at a batch-size class are no evidence: a process's first
 #: passes of a shape run slow (measured: a false verdict at 1 demo row from them).
 GUARD_SKIP = 2

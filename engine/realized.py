@@ -17,6 +17,10 @@ and then (`plain_due`: before the first drafting step, then after PLAIN_FIRST st
 twice as long each time, up to PLAIN_MAX), and a verdict against drafting lapses
 some steps after the class last drafted (GUARD_HOLD_FIRST, twice as long after each
 trial that loses again, up to GUARD_HOLD), so that a class lost once is tried again.
+A verdict needs recent drafting evidence (GUARD_MIN_WEIGHT steps' worth, decayed): a
+first drafting step after a long plain stretch is judged with the steps that follow
+it, not alone (measured: DFlash at long context ran plain for good after one slow
+first step, 1.00x plain where it drafts at 1.6x).
 Probe steps (one row drafts to measure acceptance) are evidence of neither, and the
 draft model's one-off reads (rows it has not seen, or a backlog of tokens it has not
 read) are priced apart, not counted against drafting.
@@ -32,6 +36,7 @@ from .policy import (
     GUARD_HOLD_FIRST,
     GUARD_MIN_PLAIN,
     GUARD_MIN_STEPS,
+    GUARD_MIN_WEIGHT,
     GUARD_SKIP,
     MARGIN,
     PLAIN_FIRST,
@@ -46,6 +51,7 @@ class Evidence:
 
     seconds: float = 0.0
     tokens: float = 0.0
+    weight: float = 0.0  # the counted steps, weighted as seconds and tokens are, at the newest
     steps: int = 0  # steps ever seen
     last: int = 0  # the guard's step count at the newest
     last_kept: int = 0  # ... at the newest counted (past the first GUARD_SKIP)
@@ -58,6 +64,7 @@ class Evidence:
         decay = GUARD_DECAY ** (now - self.last_kept) if self.tokens else 0.0
         self.seconds = self.seconds * decay + seconds
         self.tokens = self.tokens * decay + tokens
+        self.weight = self.weight * decay + 1.0
         self.last_kept = now
 
     @property
@@ -86,8 +93,18 @@ class Realized:
             self.hold = min(self.hold * 2, GUARD_HOLD) if lost else GUARD_HOLD_FIRST
 
     def _judged(self) -> bool:
-        plain, spec = self.plain_ev.steps, self.spec_ev.steps
-        return plain >= GUARD_SKIP + GUARD_MIN_PLAIN and spec >= GUARD_SKIP + GUARD_MIN_STEPS
+        """Enough steps of each kind ran here, and the drafting ones, as they stood at the
+        newest, weigh at least GUARD_MIN_WEIGHT steps: after a long plain stretch the old
+        drafting evidence has decayed to nearly nothing, and the first fresh drafting step
+        (often a slow one: a cold read, a poor first guess of K) would be the verdict
+        alone. The plain side needs no such weight: plain_due keeps it live while drafting
+        runs, and what a plain step costs at a batch size moves little."""
+        plain, spec = self.plain_ev, self.spec_ev
+        return (
+            plain.steps >= GUARD_SKIP + GUARD_MIN_PLAIN
+            and spec.steps >= GUARD_SKIP + GUARD_MIN_STEPS
+            and spec.weight >= GUARD_MIN_WEIGHT
+        )
 
     @property
     def plain(self) -> float:

@@ -19,7 +19,7 @@ from tiny_models import reference_greedy
 import engine
 from engine import batch, drafters, policy
 from engine.adaptive import AutoRow, DraftController, PassCosts, finish_steps, static_costs
-from engine.policy import GUARD_HOLD, GUARD_HOLD_FIRST, PLAIN_FIRST, PLAIN_MAX
+from engine.policy import GUARD_HOLD, GUARD_HOLD_FIRST, GUARD_MIN_WEIGHT, PLAIN_FIRST, PLAIN_MAX
 from engine.sampling import SamplingParams
 
 
@@ -78,15 +78,47 @@ def test_a_lost_verdict_is_tried_again_and_waits_longer_each_time_it_loses():
     ctl = _optimist()
     got = _run(ctl, 60, plain_s=0.010, draft_s=0.040)
     assert ctl.speculation_lost(4)
-    # Still losing: trials after 64, 128, 256, 512, 512, ... steps, a drafting step each.
+    # Still losing: trials after 64, 128, 256, 512, 512, ... steps. A trial drafts until its
+    # fresh steps weigh GUARD_MIN_WEIGHT (a few steps once the old evidence has decayed),
+    # never more: a trial that loses costs a few steps in each GUARD_HOLD.
     got = _run(ctl, 2000, plain_s=0.010, draft_s=0.040)
-    trials = [i for i, k in enumerate(got) if k]
+    drafted = [i for i, k in enumerate(got) if k]
+    trials: list[list[int]] = []
+    for i in drafted:
+        if trials and i - trials[-1][-1] <= 2:
+            trials[-1].append(i)
+        else:
+            trials.append([i])
     assert 4 <= len(trials) <= 8
-    gaps = [b - a for a, b in zip(trials, trials[1:], strict=False)]
+    assert max(len(t) for t in trials) <= GUARD_MIN_WEIGHT + 1
+    gaps = [b[0] - a[-1] for a, b in zip(trials, trials[1:], strict=False)]
     assert gaps == sorted(gaps) and max(gaps) <= GUARD_HOLD + 2 and min(gaps) > GUARD_HOLD_FIRST
     # Drafting pays again (a lighter load, another workload): the next trial finds it.
     got = _run(ctl, GUARD_HOLD + 80, plain_s=0.010, draft_s=0.011)
     assert got[-40:].count(0) <= 2
+
+
+def test_one_fresh_drafting_step_after_a_long_plain_stretch_is_no_verdict():
+    # Drafting paid at this batch size, then ~200 plain steps ran here (another request's
+    # plain decoding): the old drafting evidence has decayed to nearly nothing. The first
+    # fresh drafting step is a slow one (a cold read, one token); the steps after it pay.
+    # The guard waits for fresh steps that weigh GUARD_MIN_WEIGHT before it judges.
+    # (Mutation: _judged by steps ever seen, without the weight -> lost after the first
+    # step, and the request runs plain; measured: DFlash long context at 1.00x plain.)
+    ctl = _optimist()
+    _run(ctl, 60, plain_s=0.010, draft_s=0.011)
+    assert not ctl.speculation_lost(4)
+    for _ in range(200):
+        ctl.observe_realized(4, 0.010, 4, False)
+    ctl.observe_realized(4, 0.040, 4, True)  # one token a row in four plain steps' time
+    assert not ctl.speculation_lost(4)
+    for _ in range(8):
+        ctl.observe_realized(4, 0.011, 12, True)
+    assert not ctl.speculation_lost(4)
+    # The weight only delays a verdict: drafting that keeps losing is still stopped.
+    for _ in range(30):
+        ctl.observe_realized(4, 0.040, 12, True)
+    assert ctl.speculation_lost(4)
 
 
 def test_rows_that_would_finish_together_are_priced_as_parted_by_drafting():
