@@ -327,8 +327,11 @@ class DraftController:
     draft: PassCosts | None
     static: CostModel
     acceptance: dict = field(default_factory=dict)
-    probe_interval: int = PROBE_FIRST
-    steps_since_probe: int = 0
+    # size class -> steps between probes there, and steps since its last probe: probes
+    # that failed at 16 rows say nothing of one row (measured: after a 16-row stretch a
+    # one-row request, its acceptance low from two rejections, never probed again).
+    probe_interval: dict = field(default_factory=dict)
+    steps_since_probe: dict = field(default_factory=dict)
     probing: bool = False  # the last choose_batch_k was a probe
     block: bool = False  # a block drafter (DFlash): any number of drafts costs one pass
     calibrated: bool = True  # curves in seconds (else decode-step units)
@@ -636,12 +639,12 @@ class DraftController:
             # An accepted probe counts as a success only if drafting now pays.
             self.probe_pending = False
             if pays:
-                self.probe_interval = PROBE_FIRST
+                self.probe_interval[self.size_class(self.probe_rows)] = PROBE_FIRST
             else:
-                self._probe_failed(rows, drafted_rows)
+                self._probe_failed(self.probe_rows, drafted_rows)
         if pays:
-            self.steps_since_probe = 0
             c = self.size_class(rows)
+            self.steps_since_probe[c] = 0
             group = self.realized.setdefault(c, Realized())
             if group.plain_due(self.now):
                 self.checking = group
@@ -705,9 +708,10 @@ class DraftController:
             self.settled, self.settled_left = (key, may_probe, bound), SETTLED_STEPS
 
     def _maybe_probe(self, rows: int) -> int:
-        self.steps_since_probe += 1
-        if self.steps_since_probe >= self.probe_interval:
-            self.steps_since_probe = 0
+        c = self.size_class(rows)
+        self.steps_since_probe[c] = self.steps_since_probe.get(c, 0) + 1
+        if self.steps_since_probe[c] >= self.probe_interval.get(c, PROBE_FIRST):
+            self.steps_since_probe[c] = 0
             self.probing = True
             self.probe_rows = rows
             self.settled = None  # the probe changes what the rows' acceptance says
@@ -720,7 +724,9 @@ class DraftController:
         plain = self.step_seconds(rows, 1, 0, 0)
         extra = self.step_seconds(rows, 2, 1, max(drafted_rows, 1)) - plain
         floor = int(extra / (PROBE_BUDGET * plain)) if plain > 0 else 0
-        self.probe_interval = min(max(self.probe_interval * 2, floor), PROBE_MAX)
+        c = self.size_class(rows)
+        interval = self.probe_interval.get(c, PROBE_FIRST)
+        self.probe_interval[c] = min(max(interval * 2, floor), PROBE_MAX)
 
     def probe_result(self, proposed: int, accepted: int) -> None:
         """After a probe step: a rejected draft doubles the interval; an accepted one

@@ -13,7 +13,7 @@ from engine.adaptive import (
     PassCosts,
     static_costs,
 )
-from engine.policy import GUARD_MIN_STEPS, GUARD_SKIP
+from engine.policy import GUARD_MIN_STEPS, GUARD_SKIP, PROBE_FIRST
 
 
 def _controller() -> DraftController:
@@ -252,6 +252,27 @@ def test_accepted_probes_where_drafting_still_does_not_pay_come_less_and_less_of
             ctl.probe_result(1, 1)  # this probe's draft was right, by chance
     assert 0 < probes <= 7  # intervals 8, 16, ..., 256 (a reset to 8 would make ~75)
     assert k == 0
+
+
+def test_probes_that_failed_at_one_batch_size_do_not_space_out_another():
+    # A long stretch at 16 rows where no K pays stretches the probes there to PROBE_MAX;
+    # then a single row with a low acceptance (two rejected drafts) still probes within
+    # PROBE_FIRST steps, so it can find that its drafts pay. (Mutation: one interval for
+    # the whole process -> no probe in 64 steps; measured: DFlash long context ran plain
+    # for good after dflash_bench's 16-row section.)
+    ctl = _controller()
+    for _ in range(600):
+        ctl.choose_batch_k(_rows(16, acceptance=0.0), [], 16, key="batch")
+        if ctl.probing:
+            ctl.probe_result(1, 0)
+    probes = []
+    for _ in range(64):
+        ctl.choose_batch_k(_rows(1, acceptance=0.0), [], 1, key="one")
+        probes.append(ctl.probing)
+        if ctl.probing:
+            ctl.probe_result(1, 0)
+    assert probes.index(True) < PROBE_FIRST
+    assert 2 <= probes.count(True) <= 4  # and failing there, they space out there too
 
 
 def test_work_outside_the_passes_is_priced_per_step_kind():
