@@ -285,10 +285,13 @@ class DraftPolicy:
             for _, c in auto_rows:
                 c.source, c.tokens = "none", None
             return
+        model_rows = ctl.model_rows_draft  # False: only the rows with a free draft draft
         for (_, c), a in zip(auto_rows, auto, strict=True):
             # A probe measures acceptance: one row's draft tells it, and costs the
             # draft model at most one cold row's first read.
             c.k = min(k, a.cap) if probe is None or c is probe else 0
+            if probe is None and not model_rows and not a.free:
+                c.k = 0
             if c.source == "lookup":
                 c.tokens = c.tokens[: c.k]
             if c.k == 0:

@@ -17,7 +17,7 @@ import pytest
 from tiny_models import reference_greedy
 
 import engine
-from engine import batch, drafters, policy
+from engine import adaptive, batch, drafters, policy
 from engine.adaptive import AutoRow, DraftController, PassCosts, finish_steps, static_costs
 from engine.policy import GUARD_HOLD, GUARD_HOLD_FIRST, GUARD_MIN_WEIGHT, PLAIN_FIRST, PLAIN_MAX
 from engine.sampling import SamplingParams
@@ -206,6 +206,38 @@ def test_a_lookup_row_without_a_proposal_is_not_priced_as_a_model_draft(monkeypa
     choices = policy.DraftPolicy(ctl, _Proposer()).choose([lookup, model])
     assert [(c.k, c.source) for c in choices] == [(0, "none"), (2, "model")]
     assert len(seen[0]) == 1 and not seen[0][0].free
+
+
+def test_rows_without_a_free_draft_ride_along_where_their_drafts_would_not_pay():
+    # One row's text repeats (a free prompt-lookup draft its history says passes); three
+    # rows would draft with a draft model they never agree with, each draft pass a tenth
+    # of a plain step. The step drafts the free row alone: no draft model pass at all.
+    # (Mutation: no free-only pricing in choose_batch_k -> the three rows draft K tokens
+    # each with the model; measured: random-draft pair at 4 rows 0.94x -> 1.00x plain.)
+    target = PassCosts({1: 0.010, 4: 0.0102, 16: 0.0106, 64: 0.014})
+    ctl = DraftController(target, PassCosts({1: 0.001, 4: 0.001}), static_costs(100, 10, False))
+    ctl.acceptance["model"] = adaptive.Acceptance(0.0, 20.0)
+    ctl.acceptance[adaptive.HYBRID_LOOKUP] = adaptive.Acceptance(19.0, 20.0)
+    ctl.observe_realized(4, 0.010, 4, drafted=False)  # a live plain step: no check due
+
+    def row(i, text):
+        r = batch._Row(i, SamplingParams(0.0), 0, "model", None, ctl.plan("model", True), 99, 1)
+        r.lookup = drafters.LookupIndex(text, min_ngram=2)
+        return r
+
+    class Proposer(_Proposer):
+        members = [0, 1, 2, 3]  # the draft model runs over every row it drafts for
+
+    rows = [row(0, [1, 2, 3, 4, 5, 6, 7, 8, 1, 2])] + [row(i, [i, 9, 10 + i]) for i in (1, 2, 3)]
+    choices = policy.DraftPolicy(ctl, Proposer()).choose(rows)
+    assert choices[0].source == "lookup" and choices[0].k > 0
+    assert [(c.k, c.source) for c in choices[1:]] == [(0, "none")] * 3
+    assert not ctl.model_rows_draft
+    # Where the model's drafts pass too, every row drafts.
+    ctl.acceptance["model"] = adaptive.Acceptance(19.0, 20.0)
+    rows = [rows[0]] + [row(i, [i, 9, 10 + i]) for i in (1, 2, 3)]
+    choices = policy.DraftPolicy(ctl, Proposer()).choose(rows)
+    assert all(c.k > 0 for c in choices) and ctl.model_rows_draft, [(c.k, c.source) for c in choices]
 
 
 def test_steps_drafted_at_a_fixed_length_are_no_evidence_for_the_guard(monkeypatch):
