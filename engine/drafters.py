@@ -133,6 +133,7 @@ class _Member:
     seed: int
     position: int = 0  # output position of the row's next token
     used: bool = field(default=False)  # its drafts this step came from the model
+    read: int = 1  # pending tokens the step's first draft pass read
 
 
 class ModelProposer(Proposer):
@@ -146,7 +147,10 @@ class ModelProposer(Proposer):
     on a CPU) cost the draft model nothing. A row it has not drafted for lately has a
     backlog (accepted tokens it has not read), read in a pass of its own before the
     step drafts (`_catch_up`); rows that do not draft read theirs a token a pass, for
-    free (their positions are computed either way).
+    free (their positions are computed either way). A backlog of two tokens, what a
+    step whose drafts all passed leaves (the last draft, never fed back, and the
+    target's token), is read by the first draft pass itself, two positions wide: a
+    pass of its own each time would cost K = 1 an extra draft pass in most steps.
     """
 
     kind = "model"
@@ -205,6 +209,8 @@ class ModelProposer(Proposer):
         keys = set(keys)
         prefill = sum(self.cold_tokens(k) for k in keys if k in self.cold)
         backlog = max((len(m.pending) for m in self.members if m.key in keys), default=1)
+        if backlog <= 2:  # read by the first draft pass (see the class docstring)
+            backlog = 1
         waking = sum(1 for k in keys if k in self.cold)
         return prefill + (len(self.members) + waking) * (backlog - 1)
 
@@ -232,19 +238,29 @@ class ModelProposer(Proposer):
         if depth == 0:
             return {}, {}
         members = self.members
-        if max(len(m.pending) for m in members if m.used) > 1:
+        if max(len(m.pending) for m in members if m.used) > 2:
             self._catch_up()
         self.rows.checkpoint()  # what the draft passes add may roll back; nothing before
-        # One token a row: a drafting row's newest (its only pending one now), the next of
-        # its backlog for a row that does not draft.
-        feed = mx.array([[m.pending[0]] for m in members])
+        # The first pass reads every drafting row's pending tokens (its newest, after a
+        # catch-up; else at most two), and as many of its backlog as fit for a row that
+        # does not draft; each row's first draft is at its last token read.
+        width = max(len(m.pending) for m in members if m.used)
+        for m in members:
+            m.read = min(width, len(m.pending))
+        feed = mx.array([m.pending[: m.read] + [0] * (width - m.read) for m in members])
+        last = mx.array([m.read - 1 for m in members]) if width > 1 else None
         dv = self.draft_vocab
         tokens, laws = [], []
         for step in range(depth):
             out = self.model(feed, cache=self.cache)
-            logits = out[:, -1, :dv]
-            # Rows that do not draft keep their first pass's token, none of the chained ones.
-            self.rows.advance(1, [1 if m.used or step == 0 else 0 for m in members])
+            if step == 0 and last is not None:
+                logits = out[mx.arange(len(members)), last, :dv]
+                self.rows.advance(width, [m.read for m in members])
+            else:
+                logits = out[:, -1, :dv]
+                # Rows that do not draft keep their first pass's tokens, none of the
+                # chained ones.
+                self.rows.advance(1, [1 if m.used or step == 0 else 0 for m in members])
             tok, law = self._sample(logits, step)
             tokens.append(tok)
             laws.append(law)
@@ -321,9 +337,9 @@ class ModelProposer(Proposer):
             if depth == 0:  # the draft did not run: it owes these tokens
                 m.pending.extend(out)
                 continue
-            if not m.used:  # it read one token of its backlog and kept no draft position
+            if not m.used:  # it read m.read tokens of its backlog and kept no draft position
                 drop.append(0)
-                m.pending = m.pending[1:] + out
+                m.pending = m.pending[m.read :] + out
                 continue
             # Its cache holds pending + depth - 1 drafted tokens; keep those the target
             # accepted.
