@@ -339,7 +339,10 @@ class DraftController:
     block: bool = False  # a block drafter (DFlash): any number of drafts costs one pass
     calibrated: bool = True  # curves in seconds (else decode-step units)
     live_target: dict = field(default_factory=dict)  # (rows, width) -> measured / curve
-    live_draft: dict = field(default_factory=dict)  # rows -> measured / curve, one pass
+    # rows -> {depth: a step's draft seconds at that depth over the one-row curve's value
+    # at those rows}: a step's draft work is not depth times one pass (the first pass reads
+    # the pending tokens, one sync ends them all), so each depth is timed for itself.
+    live_draft: dict = field(default_factory=dict)
     # (rows, width > 1) -> its live_target factor over the plain (rows, 1) one when it ran:
     # a pass's seconds grow with the rows' context, so a drafting shape measured early in
     # the rows' lives is priced by how plain decoding costs now, not by its own old seconds.
@@ -439,14 +442,33 @@ class DraftController:
         return curve * factor
 
     def _draft_pass(self, rows: int) -> float:
+        """Seconds of one draft pass over `rows` rows (a step's first)."""
+        return self._draft_seconds(rows, 1)
+
+    def _draft_seconds(self, rows: int, depth: int) -> float:
+        """Seconds of a step's `depth` draft passes over `rows` rows: timed at that depth
+        if it ran at these rows; else along the line through the two nearest depths
+        timed (a fixed cost a step, plus one a pass), or depth times the one depth timed;
+        at rows never timed, the nearest rows' figures; never timed at all, the curve."""
+        if self.block:
+            depth = 1  # a block drafter drafts any number in one pass
         curve = self.draft._curve(rows)
-        factor = self.live_draft.get(rows)
-        if factor is None:
-            near = sorted(self.live_draft, key=lambda b: abs(b - rows))
-            # Never timed: an uncalibrated curve is in target-step units, so it takes the
-            # target's factor (seconds per unit); a calibrated one is in seconds already.
-            factor = self.live_draft[near[0]] if near else self.draft_unit()
-        return curve * factor
+        by_depth = self.live_draft.get(rows)
+        if by_depth is None:
+            if not self.live_draft:
+                # An uncalibrated curve is in target-step units, so it takes the target's
+                # factor (seconds per unit); a calibrated one is in seconds already.
+                return depth * curve * self.draft_unit()
+            by_depth = self.live_draft[min(self.live_draft, key=lambda r: abs(r - rows))]
+        if depth in by_depth:
+            return curve * by_depth[depth]
+        if len(by_depth) == 1:
+            (d, f), = by_depth.items()
+            return curve * f * depth / d
+        d1, d2 = sorted(sorted(by_depth, key=lambda d: (abs(d - depth), d))[:2])
+        f1, f2 = by_depth[d1], by_depth[d2]
+        per_pass = max((f2 - f1) / (d2 - d1), 0.0)
+        return curve * max(f1 + (depth - d1) * per_pass, f1 * depth / d1 if depth < d1 else 0.0)
 
     def draft_unit(self) -> float:
         return self.target.scale if not self.calibrated else self.draft.scale
@@ -456,7 +478,7 @@ class DraftController:
         then one target pass over rows * width positions."""
         cost = self._target_pass(rows, width)
         if depth and self.draft is not None and drafted_rows:
-            cost += (1 if self.block else depth) * self._draft_pass(drafted_rows)
+            cost += self._draft_seconds(drafted_rows, depth)
         return cost + self._overhead(rows, width > 1)
 
     def _overhead(self, rows: int, drafting: bool) -> float:
@@ -827,4 +849,5 @@ class DraftController:
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
             per_pass = draft_s / (1 if self.block else depth)
             self.draft.observe(drafted_rows, per_pass)
-            _ema(self.live_draft, drafted_rows, per_pass / self.draft._curve(drafted_rows))
+            by_depth = self.live_draft.setdefault(drafted_rows, {})
+            _ema(by_depth, 1 if self.block else depth, draft_s / self.draft._curve(drafted_rows))
