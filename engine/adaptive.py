@@ -66,6 +66,7 @@ from .policy import (
     SHAPE_EMA,
     AutoRow,
     FixedRow,
+    expected_tokens,
 )
 from .realized import Realized
 
@@ -106,15 +107,6 @@ def finish_steps(rows: int, left: float, mean: float, variance: float) -> float:
         return 1.0
     spread = math.sqrt(max(left, 1.0) * variance / mean**3)
     return min(float(rows), 1.0 + _normal_range(rows) * spread)
-
-
-def expected_tokens(a: float, k: int) -> float:
-    """Expected tokens emitted by one verify step with k drafts at acceptance a."""
-    if k <= 0:
-        return 1.0
-    if a >= 1.0:
-        return k + 1.0
-    return (1.0 - a ** (k + 1)) / (1.0 - a)
 
 
 class PassCosts:

@@ -151,6 +151,15 @@ class Outcome:
     churn_events: int = 0
 
 
+def expected_tokens(a: float, k: int) -> float:
+    """Expected tokens emitted by one verify step with k drafts at acceptance a."""
+    if k <= 0:
+        return 1.0
+    if a >= 1.0:
+        return k + 1.0
+    return (1.0 - a ** (k + 1)) / (1.0 - a)
+
+
 class DraftPolicy:
     """The draft lengths of one decoder's steps.
 
@@ -286,12 +295,27 @@ class DraftPolicy:
                 c.source, c.tokens = "none", None
             return
         model_rows = ctl.model_rows_draft  # False: only the rows with a free draft draft
-        for (_, c), a in zip(auto_rows, auto, strict=True):
+        # The draft model runs K passes over every row it holds whenever a row drafts by
+        # it: a row with a free draft then takes the model's instead where that is
+        # expected to pass more (and the model has read all of the row but what its first
+        # pass reads).
+        model_runs = probe is None and model_rows and any(not a.free for a in auto)
+        for (row, c), a in zip(auto_rows, auto, strict=True):
             # A probe measures acceptance: one row's draft tells it, and costs the
             # draft model at most one cold row's first read.
             c.k = min(k, a.cap) if probe is None or c is probe else 0
             if probe is None and not model_rows and not a.free:
                 c.k = 0
+            if (
+                model_runs
+                and a.free
+                and row.drafter == "model"
+                and expected_tokens(row.plan.acceptance.rate, min(k, row.budget(), MAX_AUTO_DRAFT))
+                > expected_tokens(a.acceptance, c.k)
+                and not self.proposer.read_cost([row.key])
+            ):
+                c.source, c.tokens = "model", None
+                c.k = min(k, row.budget(), MAX_AUTO_DRAFT)
             if c.source == "lookup":
                 c.tokens = c.tokens[: c.k]
             if c.k == 0:
