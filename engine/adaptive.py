@@ -455,7 +455,7 @@ class DraftController:
         if depth in by_depth:
             return curve * by_depth[depth]
         if len(by_depth) == 1:
-            (d, f), = by_depth.items()
+            ((d, f),) = by_depth.items()
             return curve * f * depth / d
         d1, d2 = sorted(sorted(by_depth, key=lambda d: (abs(d - depth), d))[:2])
         f1, f2 = by_depth[d1], by_depth[d2]

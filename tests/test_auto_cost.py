@@ -152,7 +152,9 @@ def test_draft_work_is_priced_per_depth_not_as_depth_times_an_average_pass():
     # of the depth-3 steps; measured: K = 1 priced 11% under what it cost at 4 demo rows,
     # and "auto" ran it where K = 2 paid 11% more.)
     ctl = DraftController(
-        PassCosts({1: 0.004, 64: 0.012}), PassCosts({1: 0.001, 4: 0.001}), static_costs(100, 10, False)
+        PassCosts({1: 0.004, 64: 0.012}),
+        PassCosts({1: 0.001, 4: 0.001}),
+        static_costs(100, 10, False),
     )
     for _ in range(3):  # (the first of each shape prices nothing)
         ctl.observe_step(4, 2, 0.005, 1, 4, 0.0018)  # depth 1: 1.8 ms
@@ -257,7 +259,9 @@ def test_rows_without_a_free_draft_ride_along_where_their_drafts_would_not_pay()
     ctl.acceptance["model"] = adaptive.Acceptance(19.0, 20.0)
     rows = [rows[0]] + [row(i, [i, 9, 10 + i]) for i in (1, 2, 3)]
     choices = policy.DraftPolicy(ctl, Proposer()).choose(rows)
-    assert all(c.k > 0 for c in choices) and ctl.model_rows_draft, [(c.k, c.source) for c in choices]
+    assert all(c.k > 0 for c in choices) and ctl.model_rows_draft, [
+        (c.k, c.source) for c in choices
+    ]
 
 
 def test_a_row_with_a_free_draft_takes_the_models_where_the_model_runs_and_passes_more(
