@@ -433,10 +433,6 @@ class DraftController:
                 factor = self.live_target.get((rows, 1), self.target.scale)
         return curve * factor
 
-    def _draft_pass(self, rows: int) -> float:
-        """Seconds of one draft pass over `rows` rows (a step's first)."""
-        return self._draft_seconds(rows, 1)
-
     def _draft_seconds(self, rows: int, depth: int) -> float:
         """Seconds of a step's `depth` draft passes over `rows` rows: timed at that depth
         if it ran at these rows; else along the line through the two nearest depths
@@ -494,7 +490,7 @@ class DraftController:
         if not positions or self.draft is None or self.block:
             return 0.0
         if not self.calibrated:  # decode-step units: the target's growth with positions
-            return self._draft_pass(1) * self.target._curve(positions) / self.target._curve(1)
+            return self._draft_seconds(1, 1) * self.target._curve(positions) / self.target._curve(1)
         return self.draft._curve(positions) * self.read_factor
 
     def observe_read(self, positions: int, seconds: float) -> None:

@@ -136,6 +136,12 @@ class _Member:
     read: int = 1  # pending tokens the step's first draft pass read
 
 
+#: A drafting row's pending tokens the first draft pass reads itself: two is what a step
+#: whose drafts all passed leaves (its last draft, never fed back, and the target's
+#: token); a longer backlog is read in a catch-up pass of its own, timed and priced apart.
+FIRST_PASS_READS = 2
+
+
 class ModelProposer(Proposer):
     """Batched drafting with a draft LM (`needs_features` False: it reads only tokens).
     Rows join (`admit`), leave (`remove`), get `propose(want)` drafts, then `commit`
@@ -209,7 +215,7 @@ class ModelProposer(Proposer):
         keys = set(keys)
         prefill = sum(self.cold_tokens(k) for k in keys if k in self.cold)
         backlog = max((len(m.pending) for m in self.members if m.key in keys), default=1)
-        if backlog <= 2:  # read by the first draft pass (see the class docstring)
+        if backlog <= FIRST_PASS_READS:  # read by the first draft pass
             backlog = 1
         waking = sum(1 for k in keys if k in self.cold)
         return prefill + (len(self.members) + waking) * (backlog - 1)
@@ -238,7 +244,7 @@ class ModelProposer(Proposer):
         if depth == 0:
             return {}, {}
         members = self.members
-        if max(len(m.pending) for m in members if m.used) > 2:
+        if max(len(m.pending) for m in members if m.used) > FIRST_PASS_READS:
             self._catch_up()
         self.rows.checkpoint()  # what the draft passes add may roll back; nothing before
         # The first pass reads every drafting row's pending tokens (its newest, after a

@@ -306,16 +306,12 @@ class DraftPolicy:
             c.k = min(k, a.cap) if probe is None or c is probe else 0
             if probe is None and not model_rows and not a.free:
                 c.k = 0
-            if (
-                model_runs
-                and a.free
-                and row.drafter == "model"
-                and expected_tokens(row.plan.acceptance.rate, min(k, row.budget(), MAX_AUTO_DRAFT))
-                > expected_tokens(a.acceptance, c.k)
-                and not self.proposer.read_cost([row.key])
-            ):
-                c.source, c.tokens = "model", None
-                c.k = min(k, row.budget(), MAX_AUTO_DRAFT)
+            if model_runs and a.free and row.drafter == "model":
+                k_model = min(k, row.budget(), MAX_AUTO_DRAFT)
+                if expected_tokens(row.plan.acceptance.rate, k_model) > expected_tokens(
+                    a.acceptance, c.k
+                ) and not self.proposer.read_cost([row.key]):
+                    c.source, c.tokens, c.k = "model", None, k_model
             if c.source == "lookup":
                 c.tokens = c.tokens[: c.k]
             if c.k == 0:
