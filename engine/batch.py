@@ -252,7 +252,12 @@ class BatchDecoder(Decoder):
         want = {r.key: c.k for r, c in zip(self.rows, choices, strict=True) if c.source == "model"}
         if self.proposer is None or not want:
             # Nothing drafts by the model this step: the proposer is not asked (its
-            # commit then queues the emitted tokens for its rows, as after depth 0).
+            # commit then queues the emitted tokens for its rows, as after depth 0), and
+            # it ran no pass (a step of lookup drafts alone must not price the draft
+            # model's passes from its last propose: measured, near-zero draft seconds at
+            # the last depth poisoned those prices).
+            if self.proposer is not None:
+                self.proposer.depth_run = 0
             return drafts, q
         positions = {r.key: r.generated for r in self.rows}
         last = {r.key: r.target_pending for r in self.rows}

@@ -55,7 +55,8 @@ class Proposer(Protocol):
     #: The ragged rows of its own cache, which the decoder compacts with the target's
     #: (None: it keeps none, or compacts its context itself).
     rows: Any = None
-    #: Passes run by the last `propose` (statistics, pass pricing).
+    #: Passes run by this step's `propose`; the decoder sets it to 0 on a step that does
+    #: not ask for model drafts (statistics, pass pricing).
     depth_run: int = 0
     #: (positions, seconds) of the last step's one-off reads (cold rows, a backlog), or
     #: None (read-cost pricing).

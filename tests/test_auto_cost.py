@@ -470,6 +470,39 @@ def test_a_step_after_drafts_that_all_passed_reads_its_backlog_in_the_first_draf
     assert passed >= 5 and all(n > 2 for n in catch_ups)
 
 
+def test_a_step_the_draft_model_sits_out_prices_no_draft_pass(monkeypatch):
+    # A step where no row drafts by the model (plain, or prompt-lookup drafts alone) ran
+    # no draft pass: it must not report the last drafting step's depth with its near-zero
+    # draft seconds. (Mutation: the decoder leaves depth_run as the last propose set it
+    # -> steps of depth 3 and ~0 s reach observe_step; measured at 4 demo rows, such
+    # entries priced a 3-row draft step at 1% of its cost.)
+    pair = engine.load_pair(calibrate=False)
+    ctl = pair.controller
+    schedule = iter([3, 0, 0, 3, 0, 0])
+
+    def scheduled(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
+        ctl.probing = False
+        return next(schedule, 0)
+
+    monkeypatch.setattr(ctl, "choose_batch_k", scheduled)
+    seen = []
+    observe_step = ctl.observe_step
+
+    def spy(rows, width, verify_s, depth, drafted_rows, draft_s):
+        seen.append((width, depth))
+        return observe_step(rows, width, verify_s, depth, drafted_rows, draft_s)
+
+    monkeypatch.setattr(ctl, "observe_step", spy)
+    ids = pair.tokenizer.encode("def fibonacci(n):\n")
+    dec = engine.batch.SpeculativeDecoder(
+        pair, ids, SamplingParams(0.0), max_tokens=12, plan=ctl.plan("model", True)
+    )
+    for _ in dec.steps():
+        pass
+    assert (4, 3) in seen  # the drafting steps report their depth
+    assert all(depth == 0 for width, depth in seen if width == 1), seen
+
+
 @pytest.mark.parametrize("rows", [1, 16])
 def test_auto_decodes_exactly_what_plain_decoding_does(rows):
     # Everything above changes when and how much "auto" drafts, never the text.
