@@ -64,6 +64,7 @@ from .policy import (
     RELATIVE_FRESH,
     SETTLED_STEPS,
     SHAPE_EMA,
+    SHARED_DECAY,
     AutoRow,
     FixedRow,
     expected_tokens,
@@ -253,6 +254,7 @@ class Acceptance:
 
     successes: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
     trials: float = PRIOR_WEIGHT
+    decay: float = DECAY  # per observation; a pair's prior keeps more (SHARED_DECAY)
 
     @property
     def rate(self) -> float:
@@ -262,8 +264,8 @@ class Acceptance:
         if proposed == 0:
             return
         # Accepted tokens are successes; the first rejection (if any) one failure.
-        self.successes = self.successes * DECAY + accepted
-        self.trials = self.trials * DECAY + accepted + (1 if accepted < proposed else 0)
+        self.successes = self.successes * self.decay + accepted
+        self.trials = self.trials * self.decay + accepted + (1 if accepted < proposed else 0)
 
 
 @dataclass
@@ -408,7 +410,7 @@ class DraftController:
         return DraftPlan(self.static, Acceptance(), k_max, drafter, shared=None)
 
     def _greedy_plan(self, key: str, k_max: int) -> DraftPlan:
-        prior = self.acceptance.setdefault(key, Acceptance())
+        prior = self.acceptance.setdefault(key, Acceptance(decay=SHARED_DECAY))
         start = Acceptance(prior.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
         drafter = "lookup" if key == HYBRID_LOOKUP else key
         return DraftPlan(self.static, start, k_max, drafter, shared=prior)

@@ -34,6 +34,11 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 4.0
 #: Per-step decay of the acceptance counts: recent steps weigh more.
 DECAY = 0.9
+#: Per-observation decay of a pair's acceptance, the prior every new row starts from: it
+#: hears every row's drafts, so DECAY would make it the last few rows' (measured: after a
+#: batch's last, slowest rows drafted alone it read 0.59 where rows pass ~0.7, and a
+#: new batch began, and stayed, at K = 0).
+SHARED_DECAY = 0.99
 #: How fast a pass-cost curve's load factor follows live timings.
 EMA = 0.1
 #: How fast a pass-cost curve's per-size correction follows live timings (slower than EMA).

@@ -470,6 +470,25 @@ def test_a_step_after_drafts_that_all_passed_reads_its_backlog_in_the_first_draf
     assert passed >= 5 and all(n > 2 for n in catch_ups)
 
 
+def test_a_new_row_starts_from_the_pairs_long_run_acceptance_not_the_last_rows():
+    # The pair's acceptance is every new row's prior. It hears every row's drafts, and a
+    # batch ends with its slowest rows drafting alone: a new batch must not start from
+    # theirs. (Mutation: the pair's counts decay as fast as a row's, DECAY -> the prior
+    # reads ~0.35 after the tail below, and a new batch begins at K = 0.)
+    ctl = _optimist()
+    for _ in range(40):  # four rows a step, three drafts each, ~3/4 passing
+        for _ in range(4):
+            plan = ctl.plan("model", True)
+            plan.observe(3, 3)
+            plan.observe(3, 1)
+    tail = ctl.plan("model", True)
+    for _ in range(12):  # the last row, alone, passing 1 in 3
+        tail.observe(3, 0)
+        tail.observe(3, 1)
+    assert ctl.plan("model", True).acceptance.rate > 0.6
+    assert tail.acceptance.rate < 0.4  # a row's own estimate follows it closely
+
+
 def test_a_step_the_draft_model_sits_out_prices_no_draft_pass(monkeypatch):
     # A step where no row drafts by the model (plain, or prompt-lookup drafts alone) ran
     # no draft pass: it must not report the last drafting step's depth with its near-zero
