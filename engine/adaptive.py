@@ -50,6 +50,7 @@ from .policy import (
     EXPLORE_EVERY,
     EXPLORE_GAP,
     FREE_SLACK,
+    HELD_STEPS,
     LIVE_EMA,
     LOOKUP_MAX_DRAFT,
     MARGIN,
@@ -83,8 +84,11 @@ def _clip(sample: float, current: float) -> float:
     return min(max(sample, current / OUTLIER), current * OUTLIER)
 
 
-def _ema(table: dict, key, seconds: float) -> None:
-    old = table.get(key)
+def _ema(table: dict, key, seconds: float, prior: float | None = None) -> None:
+    """Move table[key] a LIVE_EMA step toward a live sample (clipped). A key not in the
+    table starts from `prior`, what it is priced at without it, if given; else the
+    sample sets it."""
+    old = table.get(key, prior)
     table[key] = seconds if old is None else old + LIVE_EMA * (_clip(seconds, old) - old)
 
 
@@ -346,6 +350,9 @@ class DraftController:
     probe_pending: bool = False  # an accepted probe, judged by the next pricing
     settled: tuple | None = None  # (key, may probe, free offer priced) of a K = 0
     settled_left: int = 0  # steps it may still be reused
+    drafting: dict = field(default_factory=dict)  # size class -> its last pricing drafted
+    held: tuple | None = None  # (hold, K) of a drafting decision reused unpriced
+    held_left: int = 0  # steps it may still be reused
     # (size class, drafted) -> seconds a step spends outside its draft and target passes
     # (choosing, bookkeeping, rollback, compaction), for steps that drafted and did not.
     overhead: dict = field(default_factory=dict)
@@ -615,6 +622,7 @@ class DraftController:
         offer: tuple[int, int] | None = None,
         rows: int | None = None,
         sync=(0, 1.0),
+        hold=None,
     ) -> int:
         """One draft length for every greedy "auto" row of a step (each capped by its
         own `cap`): the most expected tokens per second for the whole batch, the draft
@@ -626,7 +634,9 @@ class DraftController:
         `offer` as for `reuse_settled` (`offer` defaults to the free drafts of `auto`);
         `rows` is the batch size (default: the rows given). Where drafting pays
         but the guard has no recent plain step at this batch size, the step runs plain
-        (realized.Realized.plain_due)."""
+        (realized.Realized.plain_due). `hold` sums up the batch without its rows'
+        acceptance: a drafting decision is reused while it stays the same (`_reuse_held`);
+        None: every step is priced."""
         self.probing = False
         self.model_rows_draft = True
         if not auto:
@@ -636,6 +646,11 @@ class DraftController:
         reused = self.reuse_settled(key, free, rows)
         if reused is not None:
             return reused
+        if self.held is not None:
+            reused = self._reuse_held(hold, auto, rows)
+            if reused is not None:
+                return reused
+            self.held = None
         # An offer that outgrew a K = 0 still in force: its bound carries over.
         held = self.settled is not None and self.settled_left > 0 and self.settled[0] == key
         seen = self.settled[2] if held else (0, 0)
@@ -647,10 +662,17 @@ class DraftController:
         warm = warm() if callable(warm) else warm
         sync = sync() if callable(sync) else sync
         rates, ceilings = self._rates(auto, fixed, k_max, rows, drafted_rows, warm, sync)
-        bar = rates[0] * (1 + MARGIN)
+        c = self.size_class(rows)
+        # Drafting starts only where it beats plain decoding by MARGIN in the model, and
+        # goes on while it beats it at all: acceptance is learnt only by drafting, so a
+        # K = 0 decided on a few unlucky steps stands (measured at 4 demo rows: stretches
+        # of 100+ plain steps where K = 1 ran 1.07x plain), and the guard stops drafting
+        # that measurably loses.
+        bar = rates[0] * (1 + (0.0 if self.drafting.get(c) else MARGIN))
         # If even perfect acceptance cannot pay at any K (a saturated device: batching
         # and speculation compete for the same compute), plain decoding, and no probe.
         if max(ceilings[1:]) <= bar:
+            self.drafting[c] = False
             self._settle(*settle, may_probe=False)
             return 0
         # The best K; the shorter one on a tie.
@@ -665,6 +687,7 @@ class DraftController:
             if alone[k_alone] > rates[best]:
                 rates, best, self.model_rows_draft = alone, k_alone, False
         pays = rates[best] > bar and not self.speculation_lost(rows)
+        self.drafting[c] = pays
         if self.probe_pending:
             # An accepted probe counts as a success only if drafting now pays.
             self.probe_pending = False
@@ -673,18 +696,37 @@ class DraftController:
             else:
                 self._probe_failed(self.probe_rows, drafted_rows)
         if pays:
-            c = self.size_class(rows)
             self.steps_since_probe[c] = 0
             group = self.realized.setdefault(c, Realized())
             if group.plain_due(self.now):
                 self.checking = group
                 return 0
-            return self._explore(c, rows, best, k_max, rates)
+            k = self._explore(c, rows, best, k_max, rates)
+            if hold is not None and k == best and self.model_rows_draft:
+                if not any(r.free for r in auto):
+                    self.held, self.held_left = (hold, k), HELD_STEPS - 1
+            return k
         # Speculation does not pay at today's acceptance (or the guard stopped it):
         # probe now and then so acceptance stays measured, less often after each
         # failed probe.
         self._settle(*settle, may_probe=True)
         return self._maybe_probe(rows)
+
+    def _reuse_held(self, hold, auto: list[AutoRow], rows: int) -> int | None:
+        """The K of the last drafting decision, unpriced, for up to HELD_STEPS steps
+        while the batch (`hold`) is the same and no row has a free draft (those change
+        what pays from step to step); None: price this step. The guard still rules every
+        step: a lost verdict ends the hold, a plain check due runs plain."""
+        if self.held_left <= 0 or self.held[0] != hold or hold is None:
+            return None
+        if any(r.free for r in auto) or self.speculation_lost(rows):
+            return None
+        group = self.realized.get(self.size_class(rows))
+        if group is not None and group.plain_due(self.now):
+            self.checking = group
+            return 0
+        self.held_left -= 1
+        return self.held[1]
 
     def _explore(self, size_class: int, rows: int, best: int, k_max: int, rates: list) -> int:
         """`best`, or now and then a neighbouring K (one draft more or fewer) whose step
@@ -822,22 +864,32 @@ class DraftController:
         self.shape_seen[(rows, width)] = self.now
         if first:
             return
+        # No one sample sets a price: a shape new to the tables starts from what it is
+        # priced at without them, and each sample moves it a LIVE_EMA step (measured: a
+        # process's second 4-row K = 1 step ran 3x slow, its price stood, and K = 1 never
+        # ran again to mend it; "auto" sat at K = 0 where K = 1 ran 1.07x plain).
+        # (Priced after the load factor heard it: an uncalibrated curve's first sample
+        # sets its units.)
         self.target.observe(rows * width, verify_s)
-        factor = verify_s / self.target._curve(rows * width)
+        curve = self.target._curve(rows * width)
+        prior = self._target_pass(rows, width) / curve
+        factor = verify_s / curve
         if (rows, width) in self.calibrated_keys:  # a start-up timing: the live one replaces it
             self.calibrated_keys.discard((rows, width))
             self.live_target[(rows, width)] = _clip(factor, self.live_target[(rows, width)])
         else:
-            _ema(self.live_target, (rows, width), factor)
+            _ema(self.live_target, (rows, width), factor, prior)
         # A live plain pass (not a start-up timing), timed lately.
         plain = self.live_target.get((rows, 1))
         live = plain is not None and (rows, 1) not in self.calibrated_keys
         fresh = self.now - self.shape_seen.get((rows, 1), -RELATIVE_FRESH - 1) <= RELATIVE_FRESH
         if width > 1 and live and fresh:
             # Against a plain pass timed at about the same context only (see live_relative).
-            _ema(self.live_relative, (rows, width), factor / plain)
+            _ema(self.live_relative, (rows, width), factor / plain, prior / plain)
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
-            per_pass = draft_s / (1 if self.block else depth)
-            self.draft.observe(drafted_rows, per_pass)
+            depth = 1 if self.block else depth
+            self.draft.observe(drafted_rows, draft_s / depth)
+            d_curve = self.draft._curve(drafted_rows)
+            d_prior = self._draft_seconds(drafted_rows, depth) / d_curve
             by_depth = self.live_draft.setdefault(drafted_rows, {})
-            _ema(by_depth, 1 if self.block else depth, draft_s / self.draft._curve(drafted_rows))
+            _ema(by_depth, depth, draft_s / d_curve, d_prior)

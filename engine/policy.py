@@ -51,7 +51,8 @@ OUTLIER = 2.0
 #: Steps between probes when K = 0 (first), and the most a run of failed probes stretches it.
 PROBE_FIRST, PROBE_MAX = 8, 256
 #: Speculation must beat plain decoding by this share in the model before it is used: a
-#: step the model over-rates costs real time, one it under-rates costs nothing.
+#: step the model over-rates costs real time. Once drafting at a batch-size class, it goes
+#: on while it beats plain decoding at all (adaptive.DraftController.drafting).
 MARGIN = 0.03
 #: The realized-speed guard (engine/realized.py) judges a batch-size class once this many
 #: drafting steps and GUARD_MIN_PLAIN plain ones ran there;
@@ -84,6 +85,10 @@ RELATIVE_FRESH = 64
 #: Steps a K = 0 decision is reused unpriced while the batch summary stays the same
 #: (pricing costs about a tenth of a small model's decode step).
 SETTLED_STEPS = 16
+#: Steps a drafting decision (K > 0) is used, priced on the first only, while the batch's
+#: rows stay the same and none has a free draft: pricing is most of what "auto" adds to
+#: a step (measured at 4 demo rows: ~0.2 ms of a 6.5 ms step, and K changed on few steps).
+HELD_STEPS = 4
 #: A reused K = 0 is priced again before then only if the rows' free (prompt-lookup)
 #: drafts grow past what was priced by more than this share (at least one row and two
 #: tokens more): the offer changes a little most steps, and pricing each change cost
@@ -281,6 +286,7 @@ class DraftPolicy:
         ctl = self.controller
         if k is None:
             key = self._key(tuple(fixed))
+            epoch, _, drafted, fixed_rows = key
             k = ctl.choose_batch_k(
                 auto,
                 fixed,
@@ -290,6 +296,7 @@ class DraftPolicy:
                 offer=self._offer(),
                 rows=len(rows),
                 sync=lambda: self._in_step(rows),
+                hold=(epoch, drafted, fixed_rows),  # the key less the rows' acceptance
             )
         probe = self._probe_row(auto_rows) if ctl.probing else None
         self._probing = probe is not None

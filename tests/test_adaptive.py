@@ -319,12 +319,15 @@ def test_a_shape_s_first_pass_in_a_process_prices_nothing():
     # in, that one step priced drafting out for as long as nothing ran it again (a
     # settled K = 0 then runs no drafting step). (Mutation: the first pass folded in ->
     # the 4x price stands.)
-    ctl = _controller()
-    ctl.observe_step(1, 1, 0.004, 0, 0, 0.0)
-    ctl.observe_step(1, 1, 0.004, 0, 0, 0.0)
-    ctl.observe_step(1, 3, 0.016, 2, 1, 0.002)  # the first (1, 3) pass: 4x slow
-    ctl.observe_step(1, 3, 0.0045, 2, 1, 0.001)
-    assert ctl._target_pass(1, 3) == pytest.approx(0.0045, rel=0.01)
+    def priced(first: float) -> float:
+        ctl = _controller()
+        ctl.observe_step(1, 1, 0.004, 0, 0, 0.0)
+        ctl.observe_step(1, 1, 0.004, 0, 0, 0.0)
+        ctl.observe_step(1, 3, first, 2, 1, 0.002)  # the first (1, 3) pass
+        ctl.observe_step(1, 3, 0.0045, 2, 1, 0.001)
+        return ctl._target_pass(1, 3)
+
+    assert priced(0.016) == pytest.approx(priced(0.0045), rel=1e-9)  # 4x slow: no matter
 
 
 def test_plain_steps_of_a_batch_are_priced_from_a_measured_batch_pass():

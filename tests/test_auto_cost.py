@@ -144,6 +144,29 @@ def test_rows_whose_drafts_all_pass_stay_in_step_and_are_not_priced_as_parted():
     assert ctl.choose_batch_k(_rows(16, acceptance=0.99), [], 16, sync=(15, 64.0)) > 0
 
 
+def test_no_one_slow_step_sets_the_price_of_a_shape():
+    # A process's early passes of a shape can run 3x slow (new buffers as the caches
+    # grow). A shape new to the live tables starts from what it was priced at without
+    # them, and one sample moves it a LIVE_EMA step; steady samples then set it. (Mutation:
+    # the first live sample sets the price, as before -> K = 1's verify pass at 4 rows
+    # priced 3x, and measured at 4 demo rows, "auto" never ran K = 1 again to mend it.)
+    ctl = _optimist()
+    for _ in range(3):
+        ctl.observe_step(4, 1, 0.003, 0, 0, 0.0)
+    before = ctl._target_pass(4, 2)
+    ctl.observe_step(4, 2, 0.010, 1, 4, 0.001)  # the first of its shape: priced nothing
+    ctl.observe_step(4, 2, 3 * before, 1, 4, 0.001)  # 3x slow
+    assert ctl._target_pass(4, 2) < 1.25 * before
+    draft_before = ctl._draft_seconds(4, 3)
+    ctl.observe_step(4, 4, 0.010, 3, 4, 0.001)
+    ctl.observe_step(4, 4, 0.004, 3, 4, 3 * draft_before)  # the draft passes 3x slow
+    assert ctl._draft_seconds(4, 3) < 1.25 * draft_before
+    for _ in range(40):  # what the shape steadily costs is learnt
+        ctl.observe_step(4, 1, 0.003, 0, 0, 0.0)
+        ctl.observe_step(4, 2, 0.0034, 1, 4, 0.001)
+    assert ctl._target_pass(4, 2) == pytest.approx(0.0034, rel=0.02)
+
+
 def test_draft_work_is_priced_per_depth_not_as_depth_times_an_average_pass():
     # A step's draft work is a fixed part (its first pass reads the pending tokens; one sync
     # ends them all) and a part a pass: timed at depths 1 and 3, depth 2 lies between
@@ -156,7 +179,7 @@ def test_draft_work_is_priced_per_depth_not_as_depth_times_an_average_pass():
         PassCosts({1: 0.001, 4: 0.001}),
         static_costs(100, 10, False),
     )
-    for _ in range(3):  # (the first of each shape prices nothing)
+    for _ in range(30):  # (the first of each shape prices nothing; each later one a step)
         ctl.observe_step(4, 2, 0.005, 1, 4, 0.0018)  # depth 1: 1.8 ms
         ctl.observe_step(4, 4, 0.006, 3, 4, 0.0030)  # depth 3: 3.0 ms (1.2 + 0.6 a pass)
     assert ctl._draft_seconds(4, 1) == pytest.approx(0.0018, rel=0.05)
@@ -468,6 +491,69 @@ def test_a_step_after_drafts_that_all_passed_reads_its_backlog_in_the_first_draf
     assert accepted[len(ids) :][:40] == reference_greedy(pair, ids, 40)
     # (A step that took a prompt-lookup draft instead leaves a longer backlog: read apart.)
     assert passed >= 5 and all(n > 2 for n in catch_ups)
+
+
+def test_a_drafting_decision_is_priced_once_every_held_steps_while_the_batch_stays(
+    monkeypatch,
+):
+    # Pricing is most of what "auto" adds to a step: a K > 0 is reused, unpriced, for
+    # HELD_STEPS steps while the batch is the same and no row has a free draft; a new
+    # batch, a free draft or a guard verdict prices (or stops) at once. (Mutation: no
+    # hold -> _rates runs every step; a hold that ignores free drafts -> the free step
+    # is not priced.)
+    ctl = _optimist()
+    priced = []
+    rates = ctl._rates
+    monkeypatch.setattr(ctl, "_rates", lambda *a, **kw: priced.append(1) or rates(*a, **kw))
+    for _ in range(4):  # the guard's first plain check, then drafting
+        ctl.choose_batch_k(_rows(4), [], 4, hold="b")
+    priced.clear()
+    got = [ctl.choose_batch_k(_rows(4), [], 4, hold="b") for _ in range(16)]
+    assert all(k > 0 for k in got) and len(set(got)) == 1
+    assert len(priced) == -(-16 // policy.HELD_STEPS) < 16 / 2
+    priced.clear()
+    ctl.choose_batch_k(_rows(4), [], 4, hold="another batch")
+    assert len(priced) == 1
+    free = [AutoRow(0.9, 8, free=True), *_rows(3)]
+    ctl.choose_batch_k(free, [], 4, hold="another batch")
+    assert len(priced) >= 2
+    # Without a hold (tests, callers that do not sum up their batch): every step priced.
+    priced.clear()
+    for _ in range(3):
+        ctl.choose_batch_k(_rows(4), [], 4)
+    assert len(priced) == 3
+
+
+def test_drafting_starts_past_the_margin_and_goes_on_while_it_pays_at_all(monkeypatch):
+    # Acceptance is learnt only by drafting: a K = 0 decided on a few unlucky steps
+    # stands. So drafting starts where the model says it beats plain decoding by MARGIN,
+    # and goes on while it beats it at all. (Mutation: MARGIN both ways, as before -> the
+    # 2% step below settles K = 0; measured at 4 demo rows: stretches of 100+ plain steps
+    # where K = 1 ran 1.07x plain.)
+    ctl = _optimist()
+    ahead = {"by": 0.02}
+
+    def rates(auto, fixed, k_max, *a, **kw):
+        r = [1.0] + [1.0 + ahead["by"] - 0.001 * k for k in range(1, k_max + 1)]
+        return r, [10.0] * (k_max + 1)
+
+    monkeypatch.setattr(ctl, "_rates", rates)
+
+    def drafted(steps: int) -> int:
+        n = 0
+        for _ in range(steps):
+            k = ctl.choose_batch_k(_rows(4), [], 4)
+            n += k > 0 and not ctl.probing
+            ctl.observe_realized(4, 0.003, 4 if k == 0 else 8, k > 0)
+        return n
+
+    assert drafted(6) == 0  # 2% ahead: not enough to start
+    ahead["by"] = 0.10
+    assert drafted(6) >= 4  # (the guard's plain checks aside)
+    ahead["by"] = 0.02
+    assert drafted(12) >= 10  # drafting goes on
+    ahead["by"] = -0.01
+    assert drafted(6) == 0
 
 
 def test_a_new_row_starts_from_the_pairs_long_run_acceptance_not_the_last_rows():
