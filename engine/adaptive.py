@@ -63,6 +63,7 @@ from .policy import (
     PROBE_FIRST,
     PROBE_MAX,
     RELATIVE_FRESH,
+    ROW_ANCHOR,
     SETTLED_STEPS,
     SHAPE_EMA,
     SHARED_DECAY,
@@ -259,9 +260,15 @@ class Acceptance:
     successes: float = PRIOR_ACCEPTANCE * PRIOR_WEIGHT
     trials: float = PRIOR_WEIGHT
     decay: float = DECAY  # per observation; a pair's prior keeps more (SHARED_DECAY)
+    # The pair's acceptance, weighing `anchor_weight` trials in the rate, always.
+    anchor: Acceptance | None = None
+    anchor_weight: float = 0.0
 
     @property
     def rate(self) -> float:
+        if self.anchor is not None:
+            w = self.anchor_weight
+            return (self.successes + w * self.anchor.rate) / (self.trials + w)
         return self.successes / self.trials if self.trials else PRIOR_ACCEPTANCE
 
     def observe(self, proposed: int, accepted: int) -> None:
@@ -418,7 +425,7 @@ class DraftController:
 
     def _greedy_plan(self, key: str, k_max: int) -> DraftPlan:
         prior = self.acceptance.setdefault(key, Acceptance(decay=SHARED_DECAY))
-        start = Acceptance(prior.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
+        start = Acceptance(0.0, 0.0, anchor=prior, anchor_weight=ROW_ANCHOR)
         drafter = "lookup" if key == HYBRID_LOOKUP else key
         return DraftPlan(self.static, start, k_max, drafter, shared=prior)
 

@@ -30,10 +30,17 @@ MAX_AUTO_DRAFT = 8
 LOOKUP_MAX_DRAFT = 12
 #: Acceptance assumed before a row has drafted (and for a fixed-K row, which keeps none).
 PRIOR_ACCEPTANCE = 0.6
-#: Weight, in draft tokens, of that prior (and of the controller's shared prior) in a new plan.
+#: Weight, in draft tokens, of that prior in a sampled row's plan and in a pair's
+#: acceptance before it has heard a draft.
 PRIOR_WEIGHT = 4.0
 #: Per-step decay of the acceptance counts: recent steps weigh more.
 DECAY = 0.9
+#: A greedy "auto" row's acceptance is its own decayed counts plus its pair's acceptance
+#: weighing this many trials: its own few dozen drafts alone swing by ~0.1, and the batch
+#: length follows the swings (measured at 1 row of the widened pair: long drafts picked
+#: after lucky steps, K = 0 after unlucky ones; "auto" 1.11-1.16x plain where K = 2 ran
+#: 1.22-1.24x, 1.19-1.20x with this weight).
+ROW_ANCHOR = 40.0
 #: Per-observation decay of a pair's acceptance, the prior every new row starts from: it
 #: hears every row's drafts, so DECAY would make it the last few rows' (measured: after a
 #: batch's last, slowest rows drafted alone it read 0.59 where rows pass ~0.7, and a

@@ -572,7 +572,34 @@ def test_a_new_row_starts_from_the_pairs_long_run_acceptance_not_the_last_rows()
         tail.observe(3, 0)
         tail.observe(3, 1)
     assert ctl.plan("model", True).acceptance.rate > 0.6
-    assert tail.acceptance.rate < 0.4  # a row's own estimate follows it closely
+    assert tail.acceptance.rate < ctl.plan("model", True).acceptance.rate - 0.05  # its own
+
+
+def test_a_rows_acceptance_weighs_its_pairs_so_a_few_lucky_drafts_do_not_stretch_k():
+    # A row's own few dozen drafts swing its estimate by ~0.1, and the batch K follows the
+    # swings (long drafts after lucky steps, K = 0 after unlucky ones). It is its own
+    # counts plus the pair's acceptance weighing ROW_ANCHOR trials. (Mutation: a prior of
+    # PRIOR_WEIGHT trials that decays away, as before -> 0.92 after the steps below.)
+    ctl = _optimist()
+    for _ in range(100):
+        plan = ctl.plan("model", True)
+        plan.observe(3, 3)
+        plan.observe(3, 0)
+    pair = ctl.acceptance["model"].rate
+    lucky = ctl.plan("model", True)
+    for _ in range(4):
+        lucky.observe(3, 3)
+    assert pair < lucky.acceptance.rate < pair + 0.15
+    unlucky = ctl.plan("model", True)
+    for _ in range(2):
+        unlucky.observe(3, 0)
+    assert pair - 0.1 < unlucky.acceptance.rate < pair
+    # ... and a row that really differs is heard: 30 steps at 1 in 4 passing.
+    poor = ctl.plan("model", True)
+    for _ in range(30):
+        poor.observe(3, 0)
+        poor.observe(3, 1)
+    assert poor.acceptance.rate < pair - 0.15
 
 
 def test_a_step_the_draft_model_sits_out_prices_no_draft_pass(monkeypatch):
