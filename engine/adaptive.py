@@ -425,7 +425,10 @@ class DraftController:
 
     def _greedy_plan(self, key: str, k_max: int) -> DraftPlan:
         prior = self.acceptance.setdefault(key, Acceptance(decay=SHARED_DECAY))
-        start = Acceptance(0.0, 0.0, anchor=prior, anchor_weight=ROW_ANCHOR)
+        if key == "model":
+            start = Acceptance(0.0, 0.0, anchor=prior, anchor_weight=ROW_ANCHOR)
+        else:  # lookup drafts pass by how the text repeats: a row's own, quickly
+            start = Acceptance(prior.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
         drafter = "lookup" if key == HYBRID_LOOKUP else key
         return DraftPlan(self.static, start, k_max, drafter, shared=prior)
 

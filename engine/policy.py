@@ -35,11 +35,13 @@ PRIOR_ACCEPTANCE = 0.6
 PRIOR_WEIGHT = 4.0
 #: Per-step decay of the acceptance counts: recent steps weigh more.
 DECAY = 0.9
-#: A greedy "auto" row's acceptance is its own decayed counts plus its pair's acceptance
-#: weighing this many trials: its own few dozen drafts alone swing by ~0.1, and the batch
-#: length follows the swings (measured at 1 row of the widened pair: long drafts picked
+#: A greedy "auto" row's acceptance of model drafts is its own decayed counts plus its
+#: pair's acceptance weighing this many trials: its own few dozen drafts alone swing by
+#: ~0.1, and the batch length follows the swings (measured at 1 row of the widened pair: long drafts picked
 #: after lucky steps, K = 0 after unlucky ones; "auto" 1.11-1.16x plain where K = 2 ran
-#: 1.22-1.24x, 1.19-1.20x with this weight).
+#: 1.22-1.24x, 1.19-1.20x with this weight). Its lookup drafts are not anchored: they pass
+#: by how its own text repeats (anchored, a long prompt whose lookups passed at 0.98 read
+#: ~0.4 for its whole request, and DFlash at long context drafted nothing).
 ROW_ANCHOR = 40.0
 #: Per-observation decay of a pair's acceptance, the prior every new row starts from: it
 #: hears every row's drafts, so DECAY would make it the last few rows' (measured: after a
