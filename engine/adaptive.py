@@ -52,6 +52,7 @@ from .policy import (
     FREE_SLACK,
     HELD_STEPS,
     LIVE_EMA,
+    LOOKUP_ANCHOR,
     LOOKUP_MAX_DRAFT,
     MARGIN,
     MAX_AUTO_DRAFT,
@@ -267,7 +268,9 @@ class Acceptance:
     @property
     def rate(self) -> float:
         if self.anchor is not None:
-            w = self.anchor_weight
+            # An anchor weighs no more than the trials it has heard: a pair that has heard
+            # few drafts (its prior alone) must not hold its rows at that prior.
+            w = min(self.anchor_weight, self.anchor.trials)
             return (self.successes + w * self.anchor.rate) / (self.trials + w)
         return self.successes / self.trials if self.trials else PRIOR_ACCEPTANCE
 
@@ -425,10 +428,8 @@ class DraftController:
 
     def _greedy_plan(self, key: str, k_max: int) -> DraftPlan:
         prior = self.acceptance.setdefault(key, Acceptance(decay=SHARED_DECAY))
-        if key == "model":
-            start = Acceptance(0.0, 0.0, anchor=prior, anchor_weight=ROW_ANCHOR)
-        else:  # lookup drafts pass by how the text repeats: a row's own, quickly
-            start = Acceptance(prior.rate * PRIOR_WEIGHT, PRIOR_WEIGHT)
+        weight = ROW_ANCHOR if key == "model" else LOOKUP_ANCHOR
+        start = Acceptance(0.0, 0.0, anchor=prior, anchor_weight=weight)
         drafter = "lookup" if key == HYBRID_LOOKUP else key
         return DraftPlan(self.static, start, k_max, drafter, shared=prior)
 

@@ -39,10 +39,13 @@ DECAY = 0.9
 #: pair's acceptance weighing this many trials: its own few dozen drafts alone swing by
 #: ~0.1, and the batch length follows the swings (measured at 1 row of the widened pair: long drafts picked
 #: after lucky steps, K = 0 after unlucky ones; "auto" 1.11-1.16x plain where K = 2 ran
-#: 1.22-1.24x, 1.19-1.20x with this weight). Its lookup drafts are not anchored: they pass
-#: by how its own text repeats (anchored, a long prompt whose lookups passed at 0.98 read
-#: ~0.4 for its whole request, and DFlash at long context drafted nothing).
+#: 1.22-1.24x, 1.19-1.20x with this weight). An anchor weighs no more than the trials its
+#: pair has heard (a new pair's prior alone must not hold rows at PRIOR_ACCEPTANCE).
 ROW_ANCHOR = 40.0
+#: ... and of its prompt-lookup drafts, which pass by how its own text repeats: a light
+#: anchor (at ROW_ANCHOR, a long prompt whose lookups passed at 0.98 read ~0.4 for its
+#: whole request, and DFlash at long context drafted nothing).
+LOOKUP_ANCHOR = 8.0
 #: Per-observation decay of a pair's acceptance, the prior every new row starts from: it
 #: hears every row's drafts, so DECAY would make it the last few rows' (measured: after a
 #: batch's last, slowest rows drafted alone it read 0.59 where rows pass ~0.7, and a
