@@ -68,6 +68,7 @@ from .policy import (
     SETTLED_STEPS,
     SHAPE_EMA,
     SHARED_DECAY,
+    UNTRIED_TRIALS,
     AutoRow,
     FixedRow,
     expected_tokens,
@@ -698,6 +699,12 @@ class DraftController:
             if alone[k_alone] > rates[best]:
                 rates, best, self.model_rows_draft = alone, k_alone, False
         pays = rates[best] > bar and not self.speculation_lost(rows)
+        if not pays and self._untried() and not self.speculation_lost(rows):
+            # The pair has heard next to no drafts: its acceptance is PRIOR_ACCEPTANCE, a
+            # guess, and K = 0 learns nothing (measured: a whole lockstep cell at 4 demo
+            # rows ran plain where K = 1 ran 1.07x). Draft, and let the rows' drafts and
+            # the guard say what pays.
+            pays = True
         self.drafting[c] = pays
         if self.probe_pending:
             # An accepted probe counts as a success only if drafting now pays.
@@ -722,6 +729,13 @@ class DraftController:
         # failed probe.
         self._settle(*settle, may_probe=True)
         return self._maybe_probe(rows)
+
+    def _untried(self) -> bool:
+        """Whether the pair's greedy model drafts have been heard fewer than UNTRIED_TRIALS
+        times beyond the prior (False where no plan was made: callers pricing rows of
+        their own)."""
+        pair = self.acceptance.get("model")
+        return pair is not None and pair.trials < PRIOR_WEIGHT + UNTRIED_TRIALS
 
     def _reuse_held(self, hold, auto: list[AutoRow], rows: int) -> int | None:
         """The K of the last drafting decision, unpriced, for up to HELD_STEPS steps

@@ -46,6 +46,10 @@ ROW_ANCHOR = 40.0
 #: anchor (at ROW_ANCHOR, a long prompt whose lookups passed at 0.98 read ~0.4 for its
 #: whole request, and DFlash at long context drafted nothing).
 LOOKUP_ANCHOR = 8.0
+#: Until a pair's model drafts have been heard this many times (trials), greedy "auto"
+#: drafts wherever perfect acceptance could pay, the guard permitting: its acceptance is
+#: still the prior's guess, and K = 0 learns nothing.
+UNTRIED_TRIALS = 32.0
 #: Per-observation decay of a pair's acceptance, the prior every new row starts from: it
 #: hears every row's drafts, so DECAY would make it the last few rows' (measured: after a
 #: batch's last, slowest rows drafted alone it read 0.59 where rows pass ~0.7, and a

@@ -556,6 +556,33 @@ def test_drafting_starts_past_the_margin_and_goes_on_while_it_pays_at_all(monkey
     assert drafted(6) == 0
 
 
+def test_a_pair_that_has_heard_no_drafts_drafts_until_it_has(monkeypatch):
+    # Before a pair's drafts are heard its acceptance is PRIOR_ACCEPTANCE, a guess; where
+    # that guess prices drafting just under plain decoding, K = 0 would learn nothing and
+    # stand. So until UNTRIED_TRIALS trials are heard, "auto" drafts (the guard
+    # permitting); then the prices rule. (Mutation: no such trial -> K = 0 throughout;
+    # measured: a whole lockstep cell at 4 demo rows ran plain where K = 1 ran 1.07x.)
+    ctl = _optimist()
+    monkeypatch.setattr(
+        ctl, "_rates", lambda auto, fixed, k_max, *a, **kw: ([1.0] + [0.98] * k_max, [10.0] * 9)
+    )
+
+    def drafted(steps: int) -> int:
+        n = 0
+        for _ in range(steps):
+            k = ctl.choose_batch_k(_rows(4), [], 4)
+            n += k > 0 and not ctl.probing
+            ctl.observe_realized(4, 0.003, 4 if k == 0 else 5, k > 0)
+        return n
+
+    assert drafted(6) == 0  # rows priced by callers of their own: no pair, no trial
+    plan = ctl.plan("model", True)  # decoding: the pair's prior, no draft heard
+    assert drafted(6) >= 4
+    while ctl.acceptance["model"].trials < policy.PRIOR_WEIGHT + policy.UNTRIED_TRIALS:
+        plan.observe(3, 1)
+    assert drafted(6) == 0
+
+
 def test_a_new_row_starts_from_the_pairs_long_run_acceptance_not_the_last_rows():
     # The pair's acceptance is every new row's prior. It hears every row's drafts, and a
     # batch ends with its slowest rows drafting alone: a new batch must not start from
