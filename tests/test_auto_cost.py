@@ -49,6 +49,28 @@ def _run(ctl: DraftController, steps: int, plain_s: float, draft_s: float, rows:
     return got
 
 
+def _schedule(monkeypatch, ctl: DraftController, ks: list[int], then: int) -> None:
+    """The controller's batch K, step by step: `ks`, then `then` (no probes)."""
+    schedule = iter(ks)
+
+    def scheduled(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
+        ctl.probing = False
+        return next(schedule, then)
+
+    monkeypatch.setattr(ctl, "choose_batch_k", scheduled)
+
+
+def _drafting_steps(ctl: DraftController, steps: int, emitted: int) -> int:
+    """Steps of 4 rows that drafted (probes aside), each 3 ms: a plain one emits 4 tokens,
+    a drafting one `emitted`."""
+    n = 0
+    for _ in range(steps):
+        k = ctl.choose_batch_k(_rows(4), [], 4)
+        n += k > 0 and not ctl.probing
+        ctl.observe_realized(4, 0.003, 4 if k == 0 else emitted, k > 0)
+    return n
+
+
 def test_drafting_starts_with_a_plain_step_and_checks_plain_now_and_then():
     # Without live plain steps the guard would compare drafting with a start-up timing.
     # (Mutation: plain_due always False -> no zeros at all.)
@@ -427,13 +449,7 @@ def test_a_backlog_is_read_apart_and_the_text_stays_exact(monkeypatch):
     # read, not as drafting), and the caches hold exactly the accepted text after it.
     pair = engine.load_pair(calibrate=False)
     ctl = pair.controller
-    schedule = iter([1, 0, 0, 0, 0, 0, 2, 2, 0, 0, 3, 3, 3, 3, 3, 3, 3, 3, 3, 3])
-
-    def scheduled(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
-        ctl.probing = False
-        return next(schedule, 1)
-
-    monkeypatch.setattr(ctl, "choose_batch_k", scheduled)
+    _schedule(monkeypatch, ctl, [1, 0, 0, 0, 0, 0, 2, 2, 0, 0] + [3] * 10, then=1)
     reads = []
     observe_read = ctl.observe_read
     monkeypatch.setattr(ctl, "observe_read", lambda p, s: reads.append(p) or observe_read(p, s))
@@ -540,12 +556,7 @@ def test_drafting_starts_past_the_margin_and_goes_on_while_it_pays_at_all(monkey
     monkeypatch.setattr(ctl, "_rates", rates)
 
     def drafted(steps: int) -> int:
-        n = 0
-        for _ in range(steps):
-            k = ctl.choose_batch_k(_rows(4), [], 4)
-            n += k > 0 and not ctl.probing
-            ctl.observe_realized(4, 0.003, 4 if k == 0 else 8, k > 0)
-        return n
+        return _drafting_steps(ctl, steps, emitted=8)
 
     assert drafted(6) == 0  # 2% ahead: not enough to start
     ahead["by"] = 0.10
@@ -568,12 +579,7 @@ def test_a_pair_that_has_heard_no_drafts_drafts_until_it_has(monkeypatch):
     )
 
     def drafted(steps: int) -> int:
-        n = 0
-        for _ in range(steps):
-            k = ctl.choose_batch_k(_rows(4), [], 4)
-            n += k > 0 and not ctl.probing
-            ctl.observe_realized(4, 0.003, 4 if k == 0 else 5, k > 0)
-        return n
+        return _drafting_steps(ctl, steps, emitted=5)
 
     assert drafted(6) == 0  # rows priced by callers of their own: no pair, no trial
     plan = ctl.plan("model", True)  # decoding: the pair's prior, no draft heard
@@ -653,13 +659,7 @@ def test_a_step_the_draft_model_sits_out_prices_no_draft_pass(monkeypatch):
     # entries priced a 3-row draft step at 1% of its cost.)
     pair = engine.load_pair(calibrate=False)
     ctl = pair.controller
-    schedule = iter([3, 0, 0, 3, 0, 0])
-
-    def scheduled(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
-        ctl.probing = False
-        return next(schedule, 0)
-
-    monkeypatch.setattr(ctl, "choose_batch_k", scheduled)
+    _schedule(monkeypatch, ctl, [3, 0, 0, 3, 0, 0], then=0)
     seen = []
     observe_step = ctl.observe_step
 
