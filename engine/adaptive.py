@@ -87,11 +87,13 @@ def _clip(sample: float, current: float) -> float:
     return min(max(sample, current / OUTLIER), current * OUTLIER)
 
 
-def _ema(table: dict, key, seconds: float, prior: float | None = None) -> None:
+def _ema(table: dict, key, seconds: float, prior=None) -> None:
     """Move table[key] a LIVE_EMA step toward a live sample (clipped). A key not in the
-    table starts from `prior`, what it is priced at without it, if given; else the
+    table starts from `prior()`, what it is priced at without it, if given; else the
     sample sets it."""
-    old = table.get(key, prior)
+    old = table.get(key)
+    if old is None and prior is not None:
+        old = prior()
     table[key] = seconds if old is None else old + LIVE_EMA * (_clip(seconds, old) - old)
 
 
@@ -716,8 +718,7 @@ class DraftController:
         if pays:
             self.steps_since_probe[c] = 0
             group = self.realized.setdefault(c, Realized())
-            if group.plain_due(self.now):
-                self.checking = group
+            if self._plain_check(group):
                 return 0
             k = self._explore(c, rows, best, k_max, rates)
             if hold is not None and k == best and self.model_rows_draft:
@@ -742,16 +743,23 @@ class DraftController:
         while the batch (`hold`) is the same and no row has a free draft (those change
         what pays from step to step); None: price this step. The guard still rules every
         step: a lost verdict ends the hold, a plain check due runs plain."""
-        if self.held_left <= 0 or self.held[0] != hold or hold is None:
+        if hold is None or self.held_left <= 0 or self.held[0] != hold:
             return None
         if any(r.free for r in auto) or self.speculation_lost(rows):
             return None
         group = self.realized.get(self.size_class(rows))
-        if group is not None and group.plain_due(self.now):
-            self.checking = group
+        if group is not None and self._plain_check(group):
             return 0
         self.held_left -= 1
         return self.held[1]
+
+    def _plain_check(self, group: Realized) -> bool:
+        """Whether this drafting step runs plain for the guard (realized.plain_due); the
+        step's outcome is then that check's (`checking`)."""
+        if group.plain_due(self.now):
+            self.checking = group
+            return True
+        return False
 
     def _explore(self, size_class: int, rows: int, best: int, k_max: int, rates: list) -> int:
         """`best`, or now and then a neighbouring K (one draft more or fewer) whose step
@@ -897,24 +905,28 @@ class DraftController:
         # sets its units.)
         self.target.observe(rows * width, verify_s)
         curve = self.target._curve(rows * width)
-        prior = self._target_pass(rows, width) / curve
         factor = verify_s / curve
+
+        # (Priced only for a shape new to a table, not on every step.)
+        new = (rows, width) not in self.live_target or (rows, width) not in self.live_relative
+        prior = self._target_pass(rows, width) / curve if new else None
         if (rows, width) in self.calibrated_keys:  # a start-up timing: the live one replaces it
             self.calibrated_keys.discard((rows, width))
             self.live_target[(rows, width)] = _clip(factor, self.live_target[(rows, width)])
         else:
-            _ema(self.live_target, (rows, width), factor, prior)
+            _ema(self.live_target, (rows, width), factor, lambda: prior)
         # A live plain pass (not a start-up timing), timed lately.
         plain = self.live_target.get((rows, 1))
         live = plain is not None and (rows, 1) not in self.calibrated_keys
         fresh = self.now - self.shape_seen.get((rows, 1), -RELATIVE_FRESH - 1) <= RELATIVE_FRESH
         if width > 1 and live and fresh:
             # Against a plain pass timed at about the same context only (see live_relative).
-            _ema(self.live_relative, (rows, width), factor / plain, prior / plain)
+            _ema(self.live_relative, (rows, width), factor / plain, lambda: prior / plain)
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
             depth = 1 if self.block else depth
             self.draft.observe(drafted_rows, draft_s / depth)
             d_curve = self.draft._curve(drafted_rows)
-            d_prior = self._draft_seconds(drafted_rows, depth) / d_curve
+            known = depth in self.live_draft.get(drafted_rows, ())
+            d_prior = None if known else self._draft_seconds(drafted_rows, depth) / d_curve
             by_depth = self.live_draft.setdefault(drafted_rows, {})
-            _ema(by_depth, depth, draft_s / d_curve, d_prior)
+            _ema(by_depth, depth, draft_s / d_curve, lambda: d_prior)
