@@ -44,6 +44,8 @@ from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
 from .families import make_ragged_cache
 from .policy import (
+    ANCHOR_MIN_TRIALS,
+    ANCHOR_Z,
     BATCH_SIZES,
     DECAY,
     EMA,
@@ -274,7 +276,14 @@ class Acceptance:
             # An anchor weighs no more than the trials it has heard: a pair that has heard
             # few drafts (its prior alone) must not hold its rows at that prior.
             w = min(self.anchor_weight, self.anchor.trials)
-            return (self.successes + w * self.anchor.rate) / (self.trials + w)
+            pair = self.anchor.rate
+            if self.trials >= ANCHOR_MIN_TRIALS:
+                p = min(max(pair, 0.1), 0.9)
+                gap = self.successes / self.trials - pair
+                if gap * gap * self.trials > ANCHOR_Z * ANCHOR_Z * p * (1.0 - p):
+                    # Its own drafts clearly disagree: this request is unlike the pair's.
+                    w = min(w, PRIOR_WEIGHT)
+            return (self.successes + w * pair) / (self.trials + w)
         return self.successes / self.trials if self.trials else PRIOR_ACCEPTANCE
 
     def observe(self, proposed: int, accepted: int) -> None:

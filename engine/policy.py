@@ -42,6 +42,15 @@ DECAY = 0.9
 #: 1.22-1.24x, 1.19-1.20x with this weight). An anchor weighs no more than the trials its
 #: pair has heard (a new pair's prior alone must not hold rows at PRIOR_ACCEPTANCE).
 ROW_ANCHOR = 40.0
+#: ... unless its own counts clearly disagree: more than ANCHOR_Z standard errors from
+#: the pair's rate (a binomial error at the pair's rate, kept within 0.1-0.9, over the
+#: row's decayed trials, once they are at least ANCHOR_MIN_TRIALS), where the anchor
+#: weighs no more than PRIOR_WEIGHT. A request unlike the pair's others is heard within
+#: a few steps (measured: DFlash at a 192-token prompt passes ~0.9 where short prompts
+#: pass ~0.6; held at the pair's rate it drafted short blocks, 1.03 tokens a pass and
+#: 0.98x plain), and a row's chance swings (~1 error) stay anchored. Without the floors,
+#: three rejected lookups read 0.0 and the row never drafted again.
+ANCHOR_Z, ANCHOR_MIN_TRIALS = 2.5, 8.0
 #: ... and of its prompt-lookup drafts, which pass by how its own text repeats: a light
 #: anchor (at ROW_ANCHOR, a long prompt whose lookups passed at 0.98 read ~0.4 for its
 #: whole request, and DFlash at long context drafted nothing).

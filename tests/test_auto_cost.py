@@ -651,6 +651,34 @@ def test_a_rows_acceptance_weighs_its_pairs_so_a_few_lucky_drafts_do_not_stretch
     assert row.acceptance.rate > fresh.plan("model", True).acceptance.rate + 0.04
 
 
+def test_a_request_whose_drafts_clearly_beat_its_pairs_reads_its_own_acceptance():
+    # DFlash at a long prompt passes ~0.9 where the pair's short prompts pass ~0.6: held at
+    # the pair's rate it drafted short blocks (1.03 tokens a pass, 0.98x plain). Once its
+    # own counts are ANCHOR_Z errors off the pair's, the anchor weighs PRIOR_WEIGHT.
+    # (Mutation: always anchored at ROW_ANCHOR -> 0.83 after the steps below.)
+    ctl = _optimist()
+    for _ in range(100):  # the pair: 3 drafted, 2 pass, a step
+        ctl.plan("model", True).observe(3, 2)
+    pair = ctl.acceptance["model"].rate
+    assert 0.6 < pair < 0.75
+    long = ctl.plan("model", True)
+    for _ in range(4):  # all 8 drafts pass, each step
+        long.observe(8, 8)
+    assert long.acceptance.rate > 0.88
+    # ... but not on a few trials: three rejected first drafts do not read 0 (measured:
+    # a lookup row then never drafted again). (Mutation: no ANCHOR_MIN_TRIALS -> 0.42.)
+    unlucky = ctl.plan("model", True)
+    for _ in range(3):
+        unlucky.observe(8, 0)
+    assert unlucky.acceptance.rate > 0.5
+    # ... while a row a little luckier than its pair stays anchored (3 of 3, then 2 of 3).
+    lucky = ctl.plan("model", True)
+    for _ in range(3):
+        lucky.observe(3, 3)
+        lucky.observe(3, 2)
+    assert pair < lucky.acceptance.rate < pair + 0.1
+
+
 def test_a_step_the_draft_model_sits_out_prices_no_draft_pass(monkeypatch):
     # A step where no row drafts by the model (plain, or prompt-lookup drafts alone) ran
     # no draft pass: it must not report the last drafting step's depth with its near-zero
