@@ -9,6 +9,8 @@ files that were not in the demo pair's training text.
 from __future__ import annotations
 
 import ast
+import functools
+import re
 import sysconfig
 import textwrap
 from pathlib import Path
@@ -48,9 +50,10 @@ def heldout_files() -> list[Path]:
     return [f for i, f in enumerate(chosen) if i % HOLDOUT_EVERY == HOLDOUT_EVERY - 1]
 
 
+@functools.cache
 def functions(min_chars: int = 600, max_chars: int = 3000) -> list[tuple[str, str]]:
     """(name, dedented source) of every function or method in the held-out files
-    whose source is between min_chars and max_chars long."""
+    whose source is between min_chars and max_chars long (read once a process)."""
     root = Path(sysconfig.get_paths()["stdlib"])
     out = []
     for path in heldout_files():
@@ -59,14 +62,31 @@ def functions(min_chars: int = 600, max_chars: int = 3000) -> list[tuple[str, st
             tree = ast.parse(text)
         except (SyntaxError, ValueError):
             continue
+        lines = _LINE.findall(text)  # once a file: ast.get_source_segment splits per call
         for node in ast.walk(tree):
             if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
                 continue
-            src = ast.get_source_segment(text, node, padded=True)
-            if src and min_chars <= len(src) <= max_chars:
+            src = _segment(lines, node)
+            if min_chars <= len(src) <= max_chars:
                 rel = path.relative_to(root).as_posix()
                 out.append((f"{rel}:{node.lineno}:{node.name}", textwrap.dedent(src)))
     return out
+
+
+# A line and its end (\r\n, \n or \r), as ast.get_source_segment splits source.
+_LINE = re.compile(r".*?(?:\r\n|\n|\r)|.+$", re.DOTALL)
+
+
+def _segment(lines: list[str], node: ast.AST) -> str:
+    """The node's source, its first line padded as ast.get_source_segment(padded=True)
+    pads it (column offsets count UTF-8 bytes)."""
+    first, last = node.lineno - 1, node.end_lineno - 1
+    head = lines[first].encode()
+    if first == last:
+        return head[node.col_offset : node.end_col_offset].decode()
+    pad = "".join(c if c in "\f\t" else " " for c in head[: node.col_offset].decode())
+    tail = lines[last].encode()[: node.end_col_offset].decode()
+    return pad + head[node.col_offset :].decode() + "".join(lines[first + 1 : last]) + tail
 
 
 def _spread(items: list, n: int) -> list:
