@@ -765,7 +765,7 @@ class DraftController:
     def _plain_check(self, group: Realized) -> bool:
         """Whether this drafting step runs plain for the guard (realized.plain_due); the
         step's outcome is then that check's (`checking`)."""
-        if group.plain_due(self.now):
+        if group.plain_due():
             self.checking = group
             return True
         return False

@@ -14,7 +14,9 @@ step timed long ago, or never, lets a wrong first guess stand for good (measured
 16 demo rows "auto" drafted every step at 0.78x of plain, its only plain figures
 from its first steps). So while "auto" drafts at a class, a plain step runs there now
 and then (`plain_due`: before the first drafting step, then after PLAIN_FIRST steps,
-twice as long each time, up to PLAIN_MAX), and a verdict against drafting lapses
+twice as long each time, up to PLAIN_MAX; steps at that class, not of the whole batch's
+life: a class met only now and then, as the last rows of each batch of work finish,
+would otherwise take a plain step on most visits), and a verdict against drafting lapses
 some steps after the class last drafted (GUARD_HOLD_FIRST, twice as long after each
 trial that loses again, up to GUARD_HOLD), so that a class lost once is tried again.
 A verdict needs recent drafting evidence (GUARD_MIN_WEIGHT steps' worth, decayed): a
@@ -80,12 +82,17 @@ class Realized:
     plain_ev: Evidence = field(default_factory=Evidence)
     spec_ev: Evidence = field(default_factory=Evidence)
     plain_interval: int = PLAIN_FIRST
-    plain_asked: int = -1  # the guard's step count when a plain step was last asked for
+    ticks: int = 0  # steps of either kind seen at this class (its own clock)
+    plain_tick: int = 0  # ... at the newest plain step
+    plain_asked: int = -1  # ... when a plain step was last asked for
     hold: int = GUARD_HOLD_FIRST  # steps a verdict against drafting stands after the last draft
     lapsed: bool = False  # a verdict lapsed: the next drafting step is a trial
 
     def observe(self, now: int, seconds: float, tokens: int, drafted: bool) -> None:
         (self.spec_ev if drafted else self.plain_ev).add(now, seconds, tokens)
+        self.ticks += 1
+        if not drafted:
+            self.plain_tick = self.ticks
         if drafted and self.lapsed and self._judged():
             # A trial after a lapse: lost again waits twice as long, a win starts over.
             self.lapsed = False
@@ -134,16 +141,16 @@ class Realized:
             return False
         return True
 
-    def plain_due(self, now: int) -> bool:
+    def plain_due(self) -> bool:
         """Whether a step that would draft here should run plain instead, to keep the
         plain side of the evidence live; asking counts as the check (one per interval,
-        each interval twice the last, up to PLAIN_MAX). Before any plain step here,
-        every step is one (each step ticks the clock `now`)."""
+        each interval twice the last, up to PLAIN_MAX, in steps at this class). Before
+        any plain step here, every step is one (each step here ticks `ticks`)."""
         if self.plain_ev.steps:
-            if now - max(self.plain_ev.last, self.plain_asked) < self.plain_interval:
+            if self.ticks - max(self.plain_tick, self.plain_asked) < self.plain_interval:
                 return False
             self.plain_interval = min(self.plain_interval * 2, PLAIN_MAX)
-        elif self.plain_asked == now:
+        elif self.plain_asked == self.ticks:
             return False
-        self.plain_asked = now
+        self.plain_asked = self.ticks
         return True

@@ -87,6 +87,22 @@ def test_drafting_starts_with_a_plain_step_and_checks_plain_now_and_then():
     assert max(gaps) == PLAIN_MAX + 1 and len(plain) <= 12
 
 
+def test_a_batch_size_met_only_now_and_then_is_not_checked_plain_on_every_visit():
+    # The last rows of every batch of work run a few steps at a small batch size. Plain
+    # checks are spaced in steps at that size, so once its intervals have grown they come
+    # about every PLAIN_MAX of its steps, not on every visit (measured at 4 demo rows in
+    # lockstep: ~4 plain steps a run among the last rows' ~15 drafting steps).
+    # (Mutation: the interval counted in the controller's steps of every size -> a plain
+    # check on every visit.)
+    ctl = _optimist()
+    short = []
+    for _ in range(40):
+        _run(ctl, 80, plain_s=0.010, draft_s=0.012, rows=4)
+        short.append(_run(ctl, 5, plain_s=0.010, draft_s=0.012, rows=1).count(0))
+    assert sum(short[:4]) >= 2  # the size's first visits check plain as a new size's do
+    assert sum(short[20:]) <= 20 * 5 // PLAIN_MAX + 1
+
+
 def test_a_wrong_plain_price_from_start_up_does_not_stand():
     # The pass model says drafting pays; the steps say a drafting step costs 4x a plain one
     # for 3x the tokens. Plain checks give the guard live plain steps, and it stops drafting
