@@ -12,8 +12,9 @@ new tokens a run.
 
 - kinds: "auto", K = 1 and plain decoding; every timed step sorted by kind (full: every
   row in the batch; join: it admitted rows; thin: fewer rows than the batch, the last
-  rows of a run, and steps while a joining row waits), by its widest draft, and by where its drafts came from: steps a run,
-  milliseconds a step, tokens a step, milliseconds a run.
+  rows of a run) and by what drafted (nothing, the draft model only, prompt lookups
+  too): steps, milliseconds and tokens a run; `--detail` adds a row per widest draft
+  and source.
 - phases: the steps where every row drafted one token by the draft model, in "auto"
   and in K = 1: milliseconds a step of each part (timers wrapped around the decoder's
   and the policy's methods, the same on both sides).
@@ -143,7 +144,7 @@ def run_cells(pair, ids_list, contenders, runs: int, batch_size: int, record) ->
 DEFAULT_CAP = policy.MAX_AUTO_DRAFT
 
 
-def kinds(pair, ids_list, runs: int, b: int) -> None:
+def kinds(pair, ids_list, runs: int, b: int, detail: bool = False) -> None:
     table = collections.defaultdict(lambda: [0, 0.0, 0])
     totals = collections.defaultdict(float)
 
@@ -162,14 +163,31 @@ def kinds(pair, ids_list, runs: int, b: int) -> None:
     contenders = [("none", "none", 1, None), ("auto", "model", "auto", None)]
     contenders += [("K=1", "model", 1, None)]
     run_cells(pair, ids_list, contenders, runs, b, record)
+    # Summed by kind and by what drafted: nothing, the draft model only, or lookups too.
+    summed = collections.defaultdict(lambda: [0, 0.0, 0])
+    for (name, kind, k, sources), row in table.items():
+        drafted = "nothing" if k == 0 else ("lookup" if "lookup" in sources else "model")
+        for i, v in enumerate(row):
+            summed[(name, kind, drafted)][i] += v
     print(f"\n### Steps by kind ({runs} runs, {len(ids_list)} requests a run, batch {b})\n")
+    print("| contender | kind | drafted | steps a run | ms a run | tokens a run | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, *_ in contenders:
+        print(f"| {name} | all | | | {totals[name] * 1e3 / runs:.0f} | | |")
+        for key in sorted(k for k in summed if k[0] == name):
+            steps, seconds, tokens = summed[key]
+            print(
+                f"| {name} | {key[1]} | {key[2]} | {steps / runs:.1f} "
+                f"| {seconds * 1e3 / runs:.1f} | {tokens / runs:.1f} | {tokens / seconds:.0f} |"
+            )
+    if not detail:
+        return
     print(
-        "| contender | kind | widest draft | drafts from | steps a run | ms a step "
+        "\n| contender | kind | widest draft | drafts from | steps a run | ms a step "
         "| tokens a step | ms a run |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for name, *_ in contenders:
-        print(f"| {name} | all | | | | | | {totals[name] * 1e3 / runs:.0f} |")
         for key in sorted(k for k in table if k[0] == name):
             steps, seconds, tokens = table[key]
             print(
@@ -244,6 +262,7 @@ def main(argv=None) -> int:
     ap.add_argument("--per-run", type=int, default=2, help="requests per run, times batch")
     ap.add_argument("--only", choices=("kinds", "phases", "caps"))
     ap.add_argument("--no-hybrid", action="store_true", help="auto without lookup drafts")
+    ap.add_argument("--detail", action="store_true", help="kinds: by widest draft and source")
     args = ap.parse_args(argv)
     global HYBRID
     HYBRID = not args.no_hybrid
@@ -254,7 +273,9 @@ def main(argv=None) -> int:
     hybrid = "" if HYBRID else ', "auto" without prompt-lookup drafts'
     print(f"# auto_parts: demo pair{hybrid}, {pair.info()['blas']}")
     # "phases" last: its timers stay wrapped around the methods.
-    for name, table in (("kinds", kinds), ("caps", caps), ("phases", phases)):
+    if args.only in (None, "kinds"):
+        kinds(pair, ids_list, args.runs, args.batch, args.detail)
+    for name, table in (("caps", caps), ("phases", phases)):
         if args.only in (None, name):
             table(pair, ids_list, args.runs, args.batch)
     return 0
