@@ -19,8 +19,9 @@ new tokens a run.
   and in K = 1: milliseconds a step of each part (timers wrapped around the decoder's
   and the policy's methods, the same on both sides).
 - caps: "auto" as shipped, and with its model drafts capped at 1, 2 and 3 tokens
-  (prompt-lookup drafts not capped), against K = 1 and K = 2: median tokens/s over the
-  runs against plain decoding. "auto" capped at 1 against K = 1 is what "auto" costs
+  (prompt-lookup drafts not capped), against K = 1 and K = 2, with a second plain lane
+  (the control, the noise floor): median tokens/s over the runs against plain decoding.
+  "auto" capped at 1 against K = 1 is what "auto" costs
   apart from its choice of K.
 """
 
@@ -49,6 +50,7 @@ PHASES = [(policy.DraftPolicy, n) for n in ("choose", "observe")]
 PHASES += [(batch.BatchDecoder, n) for n in ("_draft", "_verify", "_finish")]
 PHASES += [(ragged.RaggedRows, n) for n in ("advance", "waste", "compact")]
 PROPOSER_PHASES = ("propose", "commit")
+DEFAULT_CAP = policy.MAX_AUTO_DRAFT  # "auto"'s model-draft cap as shipped
 
 
 class Timers:
@@ -78,8 +80,8 @@ class Timers:
 
 
 def instrument(lane, name: str, record, cap: int | None = None) -> None:
-    """Wrap the lane's decoder step: `record(name, kind, steps, seconds, admitted)` after
-    each step; `cap` sets the model-draft cap of "auto" rows for this lane's steps."""
+    """Wrap the lane's decoder step: `record(name, steps, seconds, admitted)` after each
+    step (`admitted`: rows it prefilled); `cap` sets the model-draft cap of "auto" rows for this lane's steps."""
     decoder, step, admit = lane.decoder, lane.decoder.step, lane.decoder._admit_joining
     seen = {"admitted": 0}
 
@@ -114,14 +116,12 @@ def without_hybrid(pair):
     return pair
 
 
-HYBRID = True  # --no-hybrid: "auto" lanes without their prompt-lookup drafts
-
-
-def run_cells(pair, ids_list, contenders, runs: int, batch_size: int, record) -> dict:
-    """Lockstep runs of `contenders` [(name, drafter, k, cap)]: tokens/s over plain's
-    per run; `record` hears every timed step."""
+def run_cells(pair, ids_list, contenders, runs: int, b: int, record, hybrid: bool) -> dict:
+    """Lockstep runs of `contenders` [(name, drafter, k, cap)] at batch size `b`: tokens/s
+    over plain's per run; `record` hears every timed step; `hybrid` False: the "auto"
+    lanes without their prompt-lookup drafts."""
     pairs_by = {name: lockstep.own_pair(pair) for name, *_ in contenders}
-    if not HYBRID:
+    if not hybrid:
         for name, _, k, _ in contenders:
             if k == "auto":
                 without_hybrid(pairs_by[name])
@@ -130,7 +130,7 @@ def run_cells(pair, ids_list, contenders, runs: int, batch_size: int, record) ->
         lanes = {}
         for name, drafter, k, cap in contenders:
             requests = lockstep.requests_for(ids_list, drafter, k, 64)
-            lane = lanes[name] = lockstep.Lane(pairs_by[name], requests, batch_size)
+            lane = lanes[name] = lockstep.Lane(pairs_by[name], requests, b)
             instrument(lane, name, record if r else (lambda *a: None), cap)
         lockstep.lockstep(lanes, seed=r)
         if r:
@@ -141,10 +141,7 @@ def run_cells(pair, ids_list, contenders, runs: int, batch_size: int, record) ->
     return ratios
 
 
-DEFAULT_CAP = policy.MAX_AUTO_DRAFT
-
-
-def kinds(pair, ids_list, runs: int, b: int, detail: bool = False) -> None:
+def kinds(pair, ids_list, runs: int, b: int, hybrid: bool, detail: bool = False) -> None:
     table = collections.defaultdict(lambda: [0, 0.0, 0])
     totals = collections.defaultdict(float)
 
@@ -162,7 +159,7 @@ def kinds(pair, ids_list, runs: int, b: int, detail: bool = False) -> None:
 
     contenders = [("none", "none", 1, None), ("auto", "model", "auto", None)]
     contenders += [("K=1", "model", 1, None)]
-    run_cells(pair, ids_list, contenders, runs, b, record)
+    run_cells(pair, ids_list, contenders, runs, b, record, hybrid)
     # Summed by kind and by what drafted: nothing, the draft model only, or lookups too.
     summed = collections.defaultdict(lambda: [0, 0.0, 0])
     for (name, kind, k, sources), row in table.items():
@@ -197,7 +194,7 @@ def kinds(pair, ids_list, runs: int, b: int, detail: bool = False) -> None:
             )
 
 
-def phases(pair, ids_list, runs: int, b: int) -> None:
+def phases(pair, ids_list, runs: int, b: int, hybrid: bool) -> None:
     timers = Timers()
     for cls, name in PHASES:
         timers.wrap(cls, name)
@@ -220,7 +217,7 @@ def phases(pair, ids_list, runs: int, b: int) -> None:
             timers.wrap(type(probe.proposer), name)
     contenders = [("none", "none", 1, None), ("auto", "model", "auto", None)]
     contenders += [("K=1", "model", 1, None)]
-    run_cells(pair, ids_list, contenders, runs, b, record)
+    run_cells(pair, ids_list, contenders, runs, b, record, hybrid)
     labels = sorted({label for name in ("auto", "K=1") for label in per[name]} - {"step"})
     print(
         f"\n### A step where every row drafted one model token: ms a step, by part "
@@ -237,11 +234,12 @@ def phases(pair, ids_list, runs: int, b: int) -> None:
     print(f"\n(steps: auto {len(per['auto']['step'])}, K=1 {len(per['K=1']['step'])})")
 
 
-def caps(pair, ids_list, runs: int, b: int) -> None:
+def caps(pair, ids_list, runs: int, b: int, hybrid: bool) -> None:
     contenders = [("none", "none", 1, None), ("auto", "model", "auto", DEFAULT_CAP)]
     contenders += [(f"auto, cap {c}", "model", "auto", c) for c in (1, 2, 3)]
     contenders += [("K=1", "model", 1, DEFAULT_CAP), ("K=2", "model", 2, DEFAULT_CAP)]
-    ratios = run_cells(pair, ids_list, contenders, runs, b, lambda *a: None)
+    contenders += [("control", "none", 1, DEFAULT_CAP)]  # plain against plain: the noise
+    ratios = run_cells(pair, ids_list, contenders, runs, b, lambda *a: None, hybrid)
     print(
         f'\n### "auto" with its model drafts capped ({runs} runs, batch {b}): '
         "tokens/s over plain decoding's, median (range)\n"
@@ -264,20 +262,19 @@ def main(argv=None) -> int:
     ap.add_argument("--no-hybrid", action="store_true", help="auto without lookup drafts")
     ap.add_argument("--detail", action="store_true", help="kinds: by widest draft and source")
     args = ap.parse_args(argv)
-    global HYBRID
-    HYBRID = not args.no_hybrid
+    hybrid = not args.no_hybrid
     pair = engine.load_pair(DEMO_TARGET, DEMO_DRAFT)
     prompts = [ids for _, ids in prompt_sets.code_prompts(pair.tokenizer, 16, 48)]
     n = args.batch * args.per_run
     ids_list = (prompts * n)[:n]
-    hybrid = "" if HYBRID else ', "auto" without prompt-lookup drafts'
-    print(f"# auto_parts: demo pair{hybrid}, {pair.info()['blas']}")
+    without = "" if hybrid else ', "auto" without prompt-lookup drafts'
+    print(f"# auto_parts: demo pair{without}, {pair.info()['blas']}")
     # "phases" last: its timers stay wrapped around the methods.
     if args.only in (None, "kinds"):
-        kinds(pair, ids_list, args.runs, args.batch, args.detail)
+        kinds(pair, ids_list, args.runs, args.batch, hybrid, args.detail)
     for name, table in (("caps", caps), ("phases", phases)):
         if args.only in (None, name):
-            table(pair, ids_list, args.runs, args.batch)
+            table(pair, ids_list, args.runs, args.batch, hybrid)
     return 0
 
 

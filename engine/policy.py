@@ -39,8 +39,9 @@ DECAY = 0.9
 #: pair's acceptance weighing this many trials: its own few dozen drafts alone swing by
 #: ~0.1, and the batch length follows the swings (measured at 1 row of the widened pair:
 #: long drafts picked after lucky steps, K = 0 after unlucky ones; "auto" 1.11-1.16x plain
-#: where K = 2 ran 1.22-1.24x, 1.19-1.20x with this weight). An anchor weighs no more than the trials its
-#: pair has heard (a new pair's prior alone must not hold rows at PRIOR_ACCEPTANCE).
+#: where K = 2 ran 1.22-1.24x, 1.19-1.20x with this weight). An anchor weighs no more
+#: than the trials its pair has heard (a new pair's prior alone must not hold rows at
+#: PRIOR_ACCEPTANCE).
 ROW_ANCHOR = 40.0
 #: ... unless its own counts clearly disagree: more than ANCHOR_Z standard errors from
 #: the pair's rate (a binomial error at the pair's rate, kept within 0.1-0.9, over the
