@@ -60,6 +60,7 @@ from .policy import (
     MAX_AUTO_DRAFT,
     OUTLIER,
     PASS_SIZES,
+    PRICE_STEPS,
     PRIOR_ACCEPTANCE,
     PRIOR_WEIGHT,
     PROBE_BUDGET,
@@ -119,6 +120,27 @@ def finish_steps(rows: int, left: float, mean: float, variance: float) -> float:
         return 1.0
     spread = math.sqrt(max(left, 1.0) * variance / mean**3)
     return min(float(rows), 1.0 + _normal_range(rows) * spread)
+
+
+@functools.lru_cache(maxsize=4096)
+def _row_tokens(a: float, cap: int, size: int) -> tuple[tuple, tuple, tuple]:
+    """One row's tokens a step at K = 0 .. size - 1 (its drafts capped at `cap`), at
+    acceptance `a`: expected, at perfect acceptance, and their variance. A row's
+    acceptance is priced to 0.01 (`_rates`), so a few hundred of these serve a process:
+    computed once each, not for every row group of every step."""
+    expected, perfect, variance = [], [], []
+    e, power = 1.0, a  # expected tokens at K = 0; a ** (K + 1)
+    e2, pk = 1.0, 1.0  # E[tokens ** 2] at K = 0; a ** K
+    for k in range(size):
+        if 0 < k <= cap:
+            power *= a
+            e = k + 1.0 if a >= 1.0 else (1.0 - power) / (1.0 - a)
+            pk *= a  # a draft more: the all-accepted chance a ** k moves up a token
+            e2 += pk * (2 * k + 1)
+        expected.append(e)
+        perfect.append(min(k, cap) + 1.0)
+        variance.append(max(e2 - e * e, 0.0))
+    return tuple(expected), tuple(perfect), tuple(variance)
 
 
 class PassCosts:
@@ -389,6 +411,11 @@ class DraftController:
     # (rows, width) -> `now` when a step of that shape last ran (`_explore`)
     shape_seen: dict = field(default_factory=dict)
     explored: dict = field(default_factory=dict)  # size class -> `now` of its last exploring step
+    # (width, depth) -> step seconds (`_step_prices`) at the rows and drafted rows of
+    # `prices_at`: (price_version, now // PRICE_STEPS, rows, drafted rows) when they were made
+    prices: dict = field(default_factory=dict)
+    prices_at: tuple = ()
+    price_version: int = 0  # bumped when a shape is new to a live table: prices made before go
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
@@ -600,27 +627,18 @@ class DraftController:
             cap_all = max(cap_all, cap)
             if not free:  # (0 where free_only)
                 cap_model = max(cap_model, cap)
-            e, power = 1.0, a  # expected tokens at K = 0; a ** (K + 1)
-            e2, pk = 1.0, 1.0  # E[tokens ** 2] at K = 0; a ** K
-            for k in range(size):
-                if 0 < k <= cap:
-                    power *= a
-                    e = k + 1.0 if a >= 1.0 else (1.0 - power) / (1.0 - a)
-                    if part_s:  # a draft more: the all-accepted chance a ** k moves up a token
-                        pk *= a
-                        e2 += pk * (2 * k + 1)
-                tokens[k] += n * e
-                perfect[k] += n * (min(k, cap) + 1.0)
-                if part_s:
-                    var_sum[k] += n * max(e2 - e * e, 0.0)
+            e, full, var = _row_tokens(a, cap, size)
+            tokens = [t + n * x for t, x in zip(tokens, e, strict=True)]
+            perfect = [t + n * x for t, x in zip(perfect, full, strict=True)]
+            if part_s:
+                var_sum = [t + n * x for t, x in zip(var_sum, var, strict=True)]
         rates, ceilings = [], []
-        floor = 0.0
+        prices = self._step_prices(
+            rows, drafted_rows, fixed_width, fixed_depth, cap_all, cap_model, size
+        )
         for k in range(size):
-            width = max(fixed_width, min(k, cap_all))
+            seconds = prices[k]
             depth = max(fixed_depth, min(k, cap_model))
-            # A wider, deeper step never costs less than a narrower one (a shape measured
-            # in a quiet moment must not make a longer draft look cheaper).
-            seconds = floor = max(floor, self.step_seconds(rows, width + 1, depth, drafted_rows))
             if warm_s and depth:
                 # Steps the cold rows have left at this K's pace: horizon / tokens per row-step.
                 seconds += warm_s * min((tokens[k] / rows) / max(horizon, 1.0), 1.0)
@@ -634,6 +652,31 @@ class DraftController:
             rates.append(tokens[k] / seconds)
             ceilings.append(perfect[k] / seconds)
         return rates, ceilings
+
+    def _step_prices(
+        self, rows, drafted_rows, fixed_width, fixed_depth, cap_all, cap_model, size
+    ) -> list[float]:
+        """Predicted seconds of a step at each K < size (`step_seconds` of its shape), each
+        at least the last: a wider, deeper step never costs less than a narrower one (a
+        shape measured in a quiet moment must not make a longer draft look cheaper).
+        A shape's price is reused for PRICE_STEPS steps while no shape is new to the live
+        tables: prices move by a LIVE_EMA step a sample, and pricing every K every step
+        was most of what choosing cost (measured at 4 demo rows: 91 us a call, 1.4 calls
+        a step)."""
+        at = (self.price_version, self.now // PRICE_STEPS, rows, drafted_rows)
+        if self.prices_at != at:
+            self.prices.clear()
+            self.prices_at = at
+        memo = self.prices
+        prices, floor = [], 0.0
+        for k in range(size):
+            shape = (max(fixed_width, min(k, cap_all)) + 1, max(fixed_depth, min(k, cap_model)))
+            seconds = memo.get(shape)
+            if seconds is None:
+                seconds = memo[shape] = self.step_seconds(rows, *shape, drafted_rows)
+            floor = max(floor, seconds)
+            prices.append(floor)
+        return prices
 
     def choose_batch_k(
         self,
@@ -886,7 +929,9 @@ class DraftController:
         drafts does work a plain one does not (rollback, the draft model's bookkeeping,
         compaction), and a batch of small rows on a fast device feels it."""
         if rows and seconds >= 0:
-            _ema(self.overhead, (self.size_class(rows), drafted), seconds)
+            key = (self.size_class(rows), drafted)
+            self.price_version += key not in self.overhead
+            _ema(self.overhead, key, seconds)
 
     def observe_step(
         self,
@@ -918,6 +963,7 @@ class DraftController:
 
         # (Priced only for a shape new to a table, not on every step.)
         new = (rows, width) not in self.live_target or (rows, width) not in self.live_relative
+        self.price_version += new
         prior = self._target_pass(rows, width) / curve if new else None
         if (rows, width) in self.calibrated_keys:  # a start-up timing: the live one replaces it
             self.calibrated_keys.discard((rows, width))
@@ -936,6 +982,7 @@ class DraftController:
             self.draft.observe(drafted_rows, draft_s / depth)
             d_curve = self.draft._curve(drafted_rows)
             known = depth in self.live_draft.get(drafted_rows, ())
+            self.price_version += not known
             d_prior = None if known else self._draft_seconds(drafted_rows, depth) / d_curve
             by_depth = self.live_draft.setdefault(drafted_rows, {})
             _ema(by_depth, depth, draft_s / d_curve, lambda: d_prior)

@@ -133,13 +133,13 @@ class _Member:
     seed: int
     position: int = 0  # output position of the row's next token
     used: bool = field(default=False)  # its drafts this step came from the model
-    read: int = 1  # pending tokens the step's first draft pass read
+    read: int = 1  # pending tokens the step's draft passes read
+    reading: bool = False  # it does not draft, and the next chained pass reads its backlog
 
 
-#: A drafting row's pending tokens the first draft pass reads itself: two is what a step
-#: whose drafts all passed leaves (its last draft, never fed back, and the target's
-#: token); a longer backlog is read in a catch-up pass of its own, timed and priced apart.
-FIRST_PASS_READS = 2
+#: A drafting row's pending tokens after a step whose drafts all passed (its last draft,
+#: never fed back, and the target's token): the first draft pass's usual width.
+USUAL_READS = 2
 
 
 class ModelProposer(Proposer):
@@ -150,13 +150,14 @@ class ModelProposer(Proposer):
     A row joins cold: the draft model reads nothing of it until the row first asks for
     drafts, and then takes its prompt and everything emitted so far in one prefill. So
     rows that "auto" never drafts for (plain decoding pays better, as in large batches
-    on a CPU) cost the draft model nothing. A row it has not drafted for lately has a
-    backlog (accepted tokens it has not read), read in a pass of its own before the
-    step drafts (`_catch_up`); rows that do not draft read theirs a token a pass, for
-    free (their positions are computed either way). A backlog of two tokens, what a
-    step whose drafts all passed leaves (the last draft, never fed back, and the
-    target's token), is read by the first draft pass itself, two positions wide: a
-    pass of its own each time would cost K = 1 an extra draft pass in most steps.
+    on a CPU) cost the draft model nothing. A row it has not drafted for lately, or one
+    that took a prompt-lookup draft, has a backlog (accepted tokens it has not read):
+    the step's first draft pass reads it, as wide as the longest backlog of a drafting
+    row. A pass of its own before the drafts cost a whole pass more for a few positions
+    (measured at 4 demo rows: a draft pass 1.1 ms one position wide, 1.6 ms nine wide),
+    and "auto" paid it after every step that took lookup drafts. Rows that do not draft
+    read as much of their backlog as fits in the first pass, and a token more in each
+    chained pass (their positions are computed either way).
     """
 
     kind = "model"
@@ -172,8 +173,11 @@ class ModelProposer(Proposer):
         self.depth = 0  # draft passes of the step in progress (reset by commit)
         self.depth_run = 0  # draft passes run by the last propose()
         self._sampled: list[_Member] = []  # members drawing samples at this depth
-        # (positions, seconds) of this step's one-off reads: cold rows, a backlog
+        # (positions, seconds) of this step's one-off reads: cold rows' prefill
         self.last_read: tuple[int, float] | None = None
+        # Positions of backlog the last propose()'s first pass read beyond two a drafting
+        # row: its draft seconds are not those of a usual step of its depth.
+        self.backlog_read = 0
 
     def admit(self, joining: list[Joining], context=None) -> None:
         """Rows that draft by the model join cold (see the class docstring); the others
@@ -211,11 +215,13 @@ class ModelProposer(Proposer):
         can draft for these rows: the cold ones' prefill, then a catch-up pass as wide
         as the longest backlog among them (accepted tokens it has not read, less the
         newest) over every row it holds. A row drafted every step has no backlog; one
-        left out of drafting for n steps has n tokens of it."""
+        left out of drafting for n steps has n tokens of it. (A backlog is read by the
+        first draft pass: these positions widen it, and a backlog of two, what a step
+        whose drafts all passed leaves, is its usual width.)"""
         keys = set(keys)
         prefill = sum(self.cold_tokens(k) for k in keys if k in self.cold)
         backlog = max((len(m.pending) for m in self.members if m.key in keys), default=1)
-        if backlog <= FIRST_PASS_READS:  # read by the first draft pass
+        if backlog <= USUAL_READS:
             backlog = 1
         waking = sum(1 for k in keys if k in self.cold)
         return prefill + (len(self.members) + waking) * (backlog - 1)
@@ -238,21 +244,21 @@ class ModelProposer(Proposer):
             self._warm(waking)
         depth = max((want.get(m.key, 0) for m in self.members), default=0)
         self.depth = self.depth_run = depth
+        self.backlog_read = 0
         for m in self.members:
             m.used = want.get(m.key, 0) > 0
             m.position = positions.get(m.key, 0)
         if depth == 0:
             return {}, {}
         members = self.members
-        if max(len(m.pending) for m in members if m.used) > FIRST_PASS_READS:
-            self._catch_up()
         self.rows.checkpoint()  # what the draft passes add may roll back; nothing before
-        # The first pass reads every drafting row's pending tokens (its newest, after a
-        # catch-up; else at most two), and as many of its backlog as fit for a row that
-        # does not draft; each row's first draft is at its last token read.
+        # The first pass reads every drafting row's pending tokens, and as many of its
+        # backlog as fit for a row that does not draft; each row's first draft is at its
+        # last token read.
         width = max(len(m.pending) for m in members if m.used)
+        self.backlog_read = 0 if width <= USUAL_READS else len(members) * (width - USUAL_READS)
         for m in members:
-            m.read = min(width, len(m.pending))
+            m.read, m.reading = min(width, len(m.pending)), False
         feed = mx.array([m.pending[: m.read] + [0] * (width - m.read) for m in members])
         last = mx.array([m.read - 1 for m in members]) if width > 1 else None
         dv = self.draft_vocab
@@ -264,13 +270,23 @@ class ModelProposer(Proposer):
                 self.rows.advance(width, [m.read for m in members])
             else:
                 logits = out[:, -1, :dv]
-                # Rows that do not draft keep their first pass's tokens, none of the
-                # chained ones.
-                self.rows.advance(1, [1 if m.used or step == 0 else 0 for m in members])
+                # A row that does not draft reads a token more of its backlog, if it has
+                # one; else it keeps none of the chained passes' positions.
+                keep = [1 if step == 0 or m.used or m.reading else 0 for m in members]
+                self.rows.advance(1, keep)
+                for m in members:
+                    m.read += m.reading
             tok, law = self._sample(logits, step)
             tokens.append(tok)
             laws.append(law)
-            feed = tok[:, None].astype(mx.uint32)
+            if step + 1 < depth:
+                for m in members:
+                    m.reading = not m.used and m.read < len(m.pending)
+                feed = tok[:, None].astype(mx.uint32)
+                if any(m.reading for m in members):
+                    backlog = mx.array([m.pending[m.read] if m.reading else 0 for m in members])
+                    reading = mx.array([m.reading for m in members])
+                    feed = mx.where(reading[:, None], backlog[:, None], feed)
         mx.eval(tokens)
         table = mx.stack(tokens, axis=1).tolist()
         sampled = {m.key: j for j, m in enumerate(self._sampled)}
@@ -287,26 +303,6 @@ class ModelProposer(Proposer):
             if m.key in sampled:
                 q[m.key] = stacked[sampled[m.key], :k]
         return drafts, q
-
-    def _catch_up(self) -> None:
-        """Read the backlog of the rows that draft this step (accepted tokens the draft
-        model has not seen: it did not draft for them lately) in a pass of its own, all
-        but each row's newest token, which the first draft pass reads; the other rows
-        read as much of theirs as fits. Timed apart (`last_read`): a one-off cost of
-        drafting again, not the cost of a draft pass."""
-        start = time.perf_counter()
-        width = max(len(m.pending) for m in self.members if m.used) - 1
-        take = [min(width, len(m.pending) - 1) for m in self.members]
-        feed = [m.pending[:n] + [0] * (width - n) for m, n in zip(self.members, take, strict=True)]
-        self.model(mx.array(feed), cache=self.cache)
-        self.rows.advance(width, take)
-        self.rows.evaluate()
-        for m, n in zip(self.members, take, strict=True):
-            m.pending = m.pending[n:]
-        read = (sum(take), time.perf_counter() - start)
-        if self.last_read is not None:  # cold rows were read too
-            read = (read[0] + self.last_read[0], read[1] + self.last_read[1])
-        self.last_read = read
 
     def _sample(self, logits, step):
         """Tokens for every member at this depth, and the laws of the sampled members

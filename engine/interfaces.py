@@ -58,9 +58,12 @@ class Proposer(Protocol):
     #: Passes run by this step's `propose`; the decoder sets it to 0 on a step that does
     #: not ask for model drafts (statistics, pass pricing).
     depth_run: int = 0
-    #: (positions, seconds) of the last step's one-off reads (cold rows, a backlog), or
+    #: (positions, seconds) of the last step's one-off reads (cold rows' prefill), or
     #: None (read-cost pricing).
     last_read: tuple[int, float] | None = None
+    #: Positions of backlog the last `propose`'s passes read beyond their usual width:
+    #: its draft seconds are not a usual step's of its depth (draft-pass pricing).
+    backlog_read: int = 0
 
     #: The rows it has read, in its row order (cold rows excluded).
     members: list

@@ -114,6 +114,10 @@ RELATIVE_FRESH = 64
 #: Steps a K = 0 decision is reused unpriced while the batch summary stays the same
 #: (pricing costs about a tenth of a small model's decode step).
 SETTLED_STEPS = 16
+#: Steps the controller reuses its step prices at each K (adaptive._step_prices) while no
+#: shape is new to its live timings: a sample moves a price by LIVE_EMA, so a price a few
+#: steps old is as good, and pricing every K every step cost 1-2% of a 4-row demo step.
+PRICE_STEPS = 4
 #: Steps a drafting decision (K > 0) is used, priced on the first only, while the batch's
 #: rows stay the same and none has a free draft: pricing is most of what "auto" adds to
 #: a step (measured at 4 demo rows: ~0.2 ms of a 6.5 ms step, and K changed on few steps).
@@ -432,8 +436,12 @@ class DraftPolicy:
             return
         depth = proposer.depth_run if proposer is not None else 0
         members = len(proposer.members) if proposer is not None else 0
-        # A cold row's first read is priced apart (observe_read), not as a draft pass.
+        # A cold row's first read is priced apart (observe_read), not as a draft pass; a
+        # step whose first draft pass also read a backlog is no sample of a draft pass's
+        # price (its reads are priced as one-off reads, `read_cost`).
         draft_s = max(outcome.draft_s - read_s, 0.0)
+        if proposer is not None and proposer.backlog_read:
+            draft_s = 0.0
         ctl.observe_step(n_rows, outcome.width, outcome.verify_s, depth, members, draft_s)
         emitted = sum(1 + n for n in outcome.accepted)
         seconds = time.perf_counter() - outcome.started

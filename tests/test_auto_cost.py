@@ -13,11 +13,12 @@ import dataclasses
 import random
 import time
 
+import mlx.core as mx
 import pytest
 from tiny_models import reference_greedy
 
 import engine
-from engine import adaptive, batch, drafters, policy
+from engine import adaptive, batch, drafters, interfaces, policy
 from engine.adaptive import AutoRow, DraftController, PassCosts, finish_steps, static_costs
 from engine.policy import GUARD_HOLD, GUARD_HOLD_FIRST, GUARD_MIN_WEIGHT, PLAIN_FIRST, PLAIN_MAX
 from engine.sampling import SamplingParams
@@ -459,70 +460,95 @@ def test_a_change_of_rows_is_priced_without_the_work_each_joining_row_costs(monk
     assert len(churn) == 1 and churn[0] < 0.04
 
 
-def test_a_backlog_is_read_apart_and_the_text_stays_exact(monkeypatch):
+class _CountedModel:
+    """A model whose passes' widths are recorded (`widths`), attributes passed through."""
+
+    def __init__(self, model):
+        self.model, self.widths = model, []
+
+    def __call__(self, x, cache=None):
+        self.widths.append(x.shape[1])
+        return self.model(x, cache=cache)
+
+    def __getattr__(self, name):
+        return getattr(self.model, name)
+
+
+def test_a_backlog_is_read_by_the_first_draft_pass_and_the_text_stays_exact(monkeypatch):
     # A row not drafted for a while has a backlog in the draft model; the step that drafts
-    # for it again reads the backlog in a pass of its own, timed apart (priced as a one-off
-    # read, not as drafting), and the caches hold exactly the accepted text after it.
+    # for it again reads the backlog in its first draft pass (no pass of its own: a pass
+    # costs most of its time however few positions it reads), does not price a draft pass
+    # by that step, and the caches hold exactly the accepted text after it. (Mutation: a
+    # catch-up pass before the drafts, as before -> three passes for K = 2.)
     pair = engine.load_pair(calibrate=False)
     ctl = pair.controller
     _schedule(monkeypatch, ctl, [1, 0, 0, 0, 0, 0, 2, 2, 0, 0] + [3] * 10, then=1)
-    reads = []
-    observe_read = ctl.observe_read
-    monkeypatch.setattr(ctl, "observe_read", lambda p, s: reads.append(p) or observe_read(p, s))
+    priced = []  # draft seconds each step hands the draft-pass prices
+    observe_step = ctl.observe_step
+    monkeypatch.setattr(ctl, "observe_step", lambda *a: priced.append(a[-1]) or observe_step(*a))
     ids = pair.tokenizer.encode("def fibonacci(n):\n")
     dec = engine.batch.SpeculativeDecoder(
         pair, ids, SamplingParams(0.0), max_tokens=40, plan=ctl.plan("model", True)
     )
-    accepted = list(ids)
+    proposer = dec.batch.proposer
+    proposer.model = _CountedModel(proposer.model)
+    widths = proposer.model.widths
+    accepted, passes = list(ids), []
     for step in dec.steps():
         accepted += step.tokens
+        passes.append(list(widths))
+        widths.clear()
         target_len, draft_len = dec.cache_lengths()
         assert target_len == len(accepted) - 1
         assert draft_len == len(accepted) - len(dec.draft_pending)
     assert accepted[len(ids) :][:40] == reference_greedy(pair, ids, 40)
-    # The first read is the cold prompt; after five plain steps the backlog (minus the
-    # newest token, which the first draft pass reads) is read on its own.
-    assert reads[0] >= len(ids) - 1 and 5 in reads[1:]
+    # Step 0 (K = 1) prefills the cold prompt, then one draft pass; five plain steps run
+    # none; step 6 (K = 2) reads their five tokens and more in its first pass of two.
+    assert len(passes[0]) == 2 and passes[1:6] == [[]] * 5
+    assert len(passes[6]) == 2 and passes[6][0] >= 6 and passes[6][1] == 1
+    # (Step 0 admitted its row: no step prices from it, so priced[i] is step i + 1's.)
+    assert priced[5] == 0.0 and any(priced[9:])
+    # Every later step runs as many passes as it drafts (none on a prompt-lookup step).
+    schedule = [2, 0, 0] + [3] * 10
+    assert all(len(p) in (0, k) for p, k in zip(passes[7:], schedule, strict=False))
+    assert any(len(p) == 3 for p in passes[10:])
 
 
-def test_a_step_after_drafts_that_all_passed_reads_its_backlog_in_the_first_draft_pass(
-    monkeypatch,
-):
-    # Drafts that all pass leave the draft model two tokens behind (the last draft, never
-    # fed back, and the target's token): the next step's first draft pass reads both, in
-    # no pass of its own, and the text stays exact. (Mutation: a catch-up pass for any
-    # backlog over one token, as before -> a _catch_up call for a backlog of 2; measured:
-    # at 4 demo rows it cost K = 1 an extra draft pass in ~70% of its steps.)
+def test_a_row_that_does_not_draft_reads_its_backlog_in_the_chained_passes():
+    # A row that took a prompt-lookup draft has a backlog in the draft model; while the
+    # others draft, its positions in each chained pass read a token more of it (they are
+    # computed either way), and what it has read is exactly its text: its next drafts
+    # are the draft model's own greedy continuation. (Mutation: chained passes keep none
+    # of a non-drafting row's positions -> its backlog stays 6 tokens.)
     pair = engine.load_pair(calibrate=False)
-    ctl = pair.controller
-
-    def one(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
-        ctl.probing = False
-        return 1
-
-    monkeypatch.setattr(ctl, "choose_batch_k", one)
-    catch_ups = []  # the longest backlog of a drafting row, at each catch-up pass
-    catch_up = drafters.ModelProposer._catch_up
-
-    def spy(self):
-        catch_ups.append(max(len(m.pending) for m in self.members if m.used))
-        return catch_up(self)
-
-    monkeypatch.setattr(drafters.ModelProposer, "_catch_up", spy)
-    ids = pair.tokenizer.encode("def fibonacci(n):\n")
-    dec = engine.batch.SpeculativeDecoder(
-        pair, ids, SamplingParams(0.0), max_tokens=40, plan=ctl.plan("model", True)
-    )
-    accepted, passed = list(ids), 0
-    for step in dec.steps():
-        accepted += step.tokens
-        passed += len(step.tokens) == 2  # its one draft passed
-        target_len, draft_len = dec.cache_lengths()
-        assert target_len == len(accepted) - 1
-        assert draft_len == len(accepted) - len(dec.draft_pending)
-    assert accepted[len(ids) :][:40] == reference_greedy(pair, ids, 40)
-    # (A step that took a prompt-lookup draft instead leaves a longer backlog: read apart.)
-    assert passed >= 5 and all(n > 2 for n in catch_ups)
+    proposer = drafters.ModelProposer(pair.draft, pair.draft_vocab, pair.target_vocab)
+    greedy = SamplingParams(0.0)
+    texts = {
+        "a": pair.tokenizer.encode("def add(a, b):\n    return"),
+        "b": pair.tokenizer.encode("class Point:\n    def __init__(self"),
+    }
+    proposer.admit([interfaces.Joining(k, list(v), greedy, 0, True) for k, v in texts.items()])
+    positions = {k: len(v) for k, v in texts.items()}
+    drafts, _ = proposer.propose({"a": 1, "b": 1}, positions)
+    # Row b took a lookup draft of five that all passed; row a's one draft passed.
+    emitted = {"a": [drafts["a"][0], 11], "b": [20, 21, 22, 23, 24, 25]}
+    proposer.commit(emitted, {"a": 1, "b": 5})
+    for k in texts:
+        texts[k] += emitted[k]
+    assert len(proposer.pending("b")) == 6
+    drafts, _ = proposer.propose({"a": 3}, positions)  # a: two pending, so b reads 2 + 2
+    proposer.commit({"a": [drafts["a"][0], 12]}, {"a": 1})
+    texts["a"] += [drafts["a"][0], 12]
+    assert proposer.pending("b") == [24, 25]
+    lengths = proposer.lengths()
+    assert lengths == {k: len(v) - len(proposer.pending(k)) for k, v in texts.items()}
+    drafts, _ = proposer.propose({"a": 2, "b": 3}, positions)
+    for k, v in texts.items():
+        want = []
+        for _ in range(3 if k == "b" else 2):
+            logits = pair.draft(mx.array([v + want]))[0, -1, : pair.draft_vocab]
+            want.append(int(mx.argmax(logits).item()))
+        assert drafts[k] == want, k
 
 
 def test_a_drafting_decision_is_priced_once_every_held_steps_while_the_batch_stays(
@@ -735,3 +761,40 @@ def test_auto_decodes_exactly_what_plain_decoding_does(rows):
     for i, request in enumerate(requests):
         plain = engine.generate(pair, dataclasses.replace(request, drafter="none"))
         assert auto[i].token_ids == plain.token_ids
+
+
+def test_step_prices_are_reused_a_few_steps_and_made_anew_for_a_new_shape(monkeypatch):
+    # Pricing every K every step was most of what choosing cost: a shape's price is
+    # reused for PRICE_STEPS steps, and made anew at once when a shape is new to the live
+    # timings (its first price is a guess the tables now correct). (Mutation: no reuse ->
+    # every call prices every shape; a new shape not heard -> the old price stands.)
+    ctl = _optimist()
+    calls = []
+    step_seconds = ctl.step_seconds
+    monkeypatch.setattr(ctl, "step_seconds", lambda *a: calls.append(a) or step_seconds(*a))
+    shapes = 9  # K = 0 .. 8 at cap 8: widths 1 .. 9
+    made = []
+    for _ in range(policy.PRICE_STEPS * 2):
+        before = len(calls)
+        ctl._rates(_rows(4), [], 8, 4, 4)
+        made.append(len(calls) - before)
+        ctl.observe_realized(4, 0.003, 4, False)  # a step: the clock moves
+    assert made[0] == shapes and made.count(shapes) == 2 and made.count(0) == len(made) - 2
+    # A shape new to the live timings: the next pricing is made anew, and it heard it.
+    while ctl.now % policy.PRICE_STEPS == 0:
+        ctl.observe_realized(4, 0.003, 4, False)
+    old = ctl._rates(_rows(4), [], 8, 4, 4)[0][2]
+    for _ in range(2):  # a shape's first timing is skipped (a process's first pass)
+        ctl.observe_step(4, 3, 0.5, 2, 4, 0.1)
+    before = len(calls)
+    new = ctl._rates(_rows(4), [], 8, 4, 4)[0][2]
+    assert len(calls) - before == shapes and new != old
+
+
+def test_a_rows_expected_tokens_a_step_follow_its_acceptance_and_cap():
+    # The table `_rates` sums over rows: expected tokens at each K (a geometric sum of
+    # the acceptance, capped), at perfect acceptance, and their variance.
+    e, full, var = adaptive._row_tokens(0.5, 2, 4)
+    assert e == (1.0, 1.5, 1.75, 1.75) and full == (1.0, 2.0, 3.0, 3.0)
+    assert var[0] == 0.0 and var[1] == pytest.approx(0.25) and var[3] == var[2]
+    assert adaptive._row_tokens(1.0, 3, 5)[0] == (1.0, 2.0, 3.0, 4.0, 4.0)
