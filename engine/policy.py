@@ -340,6 +340,7 @@ class DraftPolicy:
                 c.source, c.tokens = "none", None
             return
         model_rows = ctl.model_rows_draft  # False: only the rows with a free draft draft
+        depth = ctl.model_depth  # the most drafts a row without a free draft takes (None: k)
         # The draft model runs K passes over every row it holds whenever a row drafts by
         # it: a row with a free draft then takes the model's instead where that is
         # expected to pass more (and the model has read all of the row but what its first
@@ -349,10 +350,10 @@ class DraftPolicy:
             # A probe measures acceptance: one row's draft tells it, and costs the
             # draft model at most one cold row's first read.
             c.k = min(k, a.cap) if probe is None or c is probe else 0
-            if probe is None and not model_rows and not a.free:
-                c.k = 0
+            if probe is None and not a.free and depth is not None:
+                c.k = min(c.k, depth)  # (0 where only the free rows draft)
             if model_runs and a.free and row.drafter == "model":
-                k_model = min(k, row.budget(), MAX_AUTO_DRAFT)
+                k_model = min(k if depth is None else depth, row.budget(), MAX_AUTO_DRAFT)
                 if expected_tokens(row.plan.acceptance.rate, k_model) > expected_tokens(
                     a.acceptance, c.k
                 ) and not self.proposer.read_cost([row.key]):

@@ -326,6 +326,46 @@ def test_rows_without_a_free_draft_ride_along_where_their_drafts_would_not_pay()
     ]
 
 
+def test_a_free_draft_goes_further_than_the_draft_model_where_its_passes_do_not_pay():
+    # One row's lookup draft passes 95% of the time and is 12 tokens long; the others
+    # draft by the model, which pays to depth 4 alone. The step keeps the model at the
+    # depth it pays alone and lets the free row take its whole draft, rather than running
+    # the model as deep as the free row goes. (Mutation: no such option -> one shared K,
+    # the model rows drafting as deep as the free row; measured at 4 demo rows: such
+    # steps ran 0.83-0.96 tokens a ms, a K = 2 lane's 1.09, plain's 0.90.)
+    target = PassCosts({1: 0.010, 4: 0.0101, 16: 0.0104, 64: 0.012})
+    ctl = DraftController(target, PassCosts({1: 0.001, 4: 0.001}), static_costs(100, 10, False))
+    ctl.observe_realized(4, 0.010, 4, drafted=False)  # a live plain step: no check due
+    model_rows = [AutoRow(0.7, 8, free=False)] * 4
+    for _ in range(2):
+        k_model = ctl.choose_batch_k(model_rows, [], 4)
+    assert ctl.model_k == {ctl.size_class(4): k_model} and 0 < k_model < 8
+    mixed = [AutoRow(0.95, 12, free=True)] + [AutoRow(0.7, 8, free=False)] * 3
+    assert ctl.choose_batch_k(mixed, [], 4) == 12
+    assert ctl.model_depth == k_model and ctl.model_rows_draft
+
+
+def test_rows_without_a_free_draft_keep_to_the_model_depth_of_the_step(monkeypatch):
+    # The decoder side of the step above: the rows drafted by the model take the depth
+    # the controller set, the row with a free draft its lookup draft to K.
+    ctl = _optimist()
+
+    def deep(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
+        ctl.probing, ctl.model_rows_draft, ctl.model_depth = False, True, 2
+        return 6
+
+    monkeypatch.setattr(ctl, "choose_batch_k", deep)
+
+    def row(i, text):
+        r = batch._Row(i, SamplingParams(0.0), 0, "model", None, ctl.plan("model", True), 99, 1)
+        r.lookup = drafters.LookupIndex(text, min_ngram=2)
+        return r
+
+    rows = [row(0, [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2])] + [row(i, [i, 9, 10 + i]) for i in (1, 2)]
+    choices = policy.DraftPolicy(ctl, _Proposer()).choose(rows)
+    assert [(c.k, c.source) for c in choices] == [(6, "lookup"), (2, "model"), (2, "model")]
+
+
 def test_a_row_with_a_free_draft_takes_the_models_where_the_model_runs_and_passes_more(
     monkeypatch,
 ):
