@@ -386,6 +386,11 @@ class DraftController:
     # drafting by the model alone pays there (the depth a step with free drafts may keep)
     model_k: dict = field(default_factory=dict)
     block: bool = False  # a block drafter (DFlash): any number of drafts costs one pass
+    # Drafts a probe asks for: one, or a block drafter's whole block (capped at
+    # MAX_AUTO_DRAFT; `_probe_width`), which costs it the same one pass and tells
+    # acceptance at every position of the block (measured: DFlash at long context, one-token probes took ~40
+    # steps to lift a row's acceptance from the pair's 0.22 to its own 0.6).
+    probe_depth: int = 1
     calibrated: bool = True  # curves in seconds (else decode-step units)
     live_target: dict = field(default_factory=dict)  # (rows, width) -> measured / curve
     # rows -> {depth: a step's draft seconds at that depth over the one-row curve's value
@@ -452,6 +457,9 @@ class DraftController:
             draft=draft,
             static=static,
             block=dflash is not None and dflash.block,
+            probe_depth=min(dflash.block_size - 1, MAX_AUTO_DRAFT)
+            if dflash is not None and dflash.block
+            else 1,
             calibrated=calibrate,
             live_target=live_target,
             calibrated_keys=set(live_target),
@@ -704,7 +712,7 @@ class DraftController:
         """One draft length for every greedy "auto" row of a step (each capped by its
         own `cap`): the most expected tokens per second for the whole batch, the draft
         model's first read of cold rows (`warm`, see `_rates`) included. A probe
-        (`probing` set) asks for one draft: the decoder gives it to one row only.
+        (`probing` set) asks for `_probe_width` drafts: the decoder gives them to one row only.
 
         `warm` and `sync` (rows in step that drafting would part, see `_rates`) may be
         functions giving those pairs, called only when the step is priced. `key` and
@@ -857,8 +865,8 @@ class DraftController:
         return k
 
     def reuse_settled(self, key, offer: tuple[int, int], rows: int) -> int | None:
-        """A K = 0 decision reused unpriced: 0 (plain), 1 (a probe, `probing` set) or
-        None (price this step). `key` sums up the batch (its rows and their acceptance,
+        """A K = 0 decision reused unpriced: 0 (plain), a probe's drafts (`_probe_width`,
+        `probing` set) or None (price this step). `key` sums up the batch (its rows and their acceptance,
         not the caps): while it is unchanged, a K = 0 decision holds for SETTLED_STEPS
         steps, unless `offer` (rows with a free prompt-lookup draft, their tokens)
         clearly grows past any priced since (FREE_SLACK; a shrinking budget only removes
@@ -896,14 +904,25 @@ class DraftController:
             self.probing = True
             self.probe_rows = rows
             self.settled = None  # the probe changes what the rows' acceptance says
-            return 1
+            return self._probe_width(rows)
         return 0
+
+    def _probe_width(self, rows: int) -> int:
+        """Drafts this probe asks for: `probe_depth` where that step costs at most two
+        plain steps (its target pass widens for every row of the batch: at 16 CPU rows a
+        block of 8 is ~9 times the positions), else one."""
+        if self.probe_depth == 1:
+            return 1
+        plain = self.step_seconds(rows, 1, 0, 0)
+        wide = self.step_seconds(rows, self.probe_depth + 1, self.probe_depth, 1)
+        return self.probe_depth if wide <= 2 * plain else 1
 
     def _probe_failed(self, rows: int, drafted_rows: int) -> None:
         """Double the interval, and keep it long enough that probes cost at most
         PROBE_BUDGET of the steps between them."""
         plain = self.step_seconds(rows, 1, 0, 0)
-        extra = self.step_seconds(rows, 2, 1, max(drafted_rows, 1)) - plain
+        depth = self._probe_width(rows)
+        extra = self.step_seconds(rows, depth + 1, depth, max(drafted_rows, 1)) - plain
         floor = int(extra / (PROBE_BUDGET * plain)) if plain > 0 else 0
         c = self.size_class(rows)
         interval = self.probe_interval.get(c, PROBE_FIRST)
@@ -914,7 +933,9 @@ class DraftController:
         is judged by the next pricing (it resets the interval only if drafting then
         pays). Where the guard has stopped speculation, accepted drafts do not show it
         pays, so the interval doubles either way."""
-        if proposed and accepted == proposed and not self.speculation_lost(self.probe_rows):
+        # (A block probe's first draft passing is a one-token probe's success; the rest
+        # of the block tells the next pricing, through the rows' acceptance, how far.)
+        if proposed and accepted >= 1 and not self.speculation_lost(self.probe_rows):
             self.probe_pending = True
         else:
             self._probe_failed(self.probe_rows, 1)
