@@ -137,6 +137,13 @@ BATCH_SIZES = (2, 4, 8, 16, 32)
 #: HYBRID_MIN_NGRAM tokens occurred before: single-token matches are too often chance
 #: (measured on code: 2.1 tokens accepted per 1-gram proposal, 2.9 per 2-gram one).
 HYBRID_MIN_NGRAM = 2
+#: ... and only in a batch of at most this many rows. In a larger batch its lookup drafts
+#: cost what no price of the step shows: the draft model reads the tokens they took over
+#: every row it holds, rows that did not take them keep holes in the cache, and rows that
+#: jump ahead finish apart (measured at the demo pair, in one process, "auto" against
+#: "auto" without them: 1.16x at 1 row, 1.04x at 2, 0.94x at 3, 0.92-0.94x at 4; the
+#: widened and random-draft pairs at 4 rows 1.01x).
+HYBRID_MAX_ROWS = 2
 
 # Each change of a decoder's rows takes a new number: the controller's reused K = 0
 # decision (choose_batch_k's key) never outlives the rows it was priced for.
@@ -245,6 +252,7 @@ class DraftPolicy:
                 return [Choice() for _ in rows]
         choices = [Choice() for _ in rows]
         auto, fixed, auto_rows = [], [], []
+        hybrid = len(rows) <= HYBRID_MAX_ROWS  # model rows take lookup drafts too
         for row, c in zip(rows, choices, strict=True):
             if row.drafter == "none":
                 continue
@@ -256,7 +264,7 @@ class DraftPolicy:
                 # This runs for every row of every step it is not settled: attribute reads.
                 own = plan.lookup  # the row's lookup sub-plan, if it takes lookup drafts
                 free = None
-                if row.lookup is not None:
+                if row.lookup is not None and (hybrid or row.drafter == "lookup"):
                     free = row.lookup.propose(
                         min(budget, own.k_max if own is not None else MAX_AUTO_DRAFT)
                     )

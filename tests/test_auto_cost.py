@@ -292,12 +292,13 @@ def test_a_lookup_row_without_a_proposal_is_not_priced_as_a_model_draft(monkeypa
     assert len(seen[0]) == 1 and not seen[0][0].free
 
 
-def test_rows_without_a_free_draft_ride_along_where_their_drafts_would_not_pay():
+def test_rows_without_a_free_draft_ride_along_where_their_drafts_would_not_pay(monkeypatch):
     # One row's text repeats (a free prompt-lookup draft its history says passes); three
     # rows would draft with a draft model they never agree with, each draft pass a tenth
     # of a plain step. The step drafts the free row alone: no draft model pass at all.
     # (Mutation: no free-only pricing in choose_batch_k -> the three rows draft K tokens
     # each with the model; measured: random-draft pair at 4 rows 0.94x -> 1.00x plain.)
+    monkeypatch.setattr(policy, "HYBRID_MAX_ROWS", 4)  # model rows take lookups here
     target = PassCosts({1: 0.010, 4: 0.0102, 16: 0.0106, 64: 0.014})
     ctl = DraftController(target, PassCosts({1: 0.001, 4: 0.001}), static_costs(100, 10, False))
     ctl.acceptance["model"] = adaptive.Acceptance(0.0, 20.0)
@@ -345,9 +346,40 @@ def test_a_free_draft_goes_further_than_the_draft_model_where_its_passes_do_not_
     assert ctl.model_depth == k_model and ctl.model_rows_draft
 
 
+def test_rows_drafted_by_the_model_take_lookup_drafts_only_in_small_batches(monkeypatch):
+    # A greedy "auto" row drafted by the model takes the free drafts its repeating text
+    # offers in a batch of at most HYBRID_MAX_ROWS rows; in a larger one their unpriced
+    # costs (the draft model reading what they took over every row, holes in the other
+    # rows, rows finishing apart) outweigh them. A row of drafter "lookup" takes its
+    # drafts at any batch size. (Mutation: no limit -> the 3-row batch's model row takes
+    # its lookup draft; measured at 3 and 4 demo rows: "auto" 0.92-0.94x of itself without
+    # them, 1.04-1.16x at 1 and 2 rows.)
+    ctl = _optimist()
+
+    def four(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
+        ctl.probing, ctl.model_rows_draft, ctl.model_depth = False, True, None
+        return 4
+
+    monkeypatch.setattr(ctl, "choose_batch_k", four)
+
+    def row(i, text, drafter="model"):
+        r = batch._Row(i, SamplingParams(0.0), 0, drafter, None, ctl.plan(drafter, True), 99, 1)
+        r.lookup = drafters.LookupIndex(text, min_ngram=2)
+        return r
+
+    repeats = [1, 2, 3, 4, 5, 6, 7, 8, 9, 1, 2]  # its last two tokens occurred before
+    pair_of = [row(0, repeats), row(1, [1, 9, 11])]
+    assert policy.DraftPolicy(ctl, _Proposer()).choose(pair_of)[0].source == "lookup"
+    three = [row(0, repeats), row(1, [1, 9, 11]), row(2, repeats, drafter="lookup")]
+    choices = policy.DraftPolicy(ctl, _Proposer()).choose(three)
+    assert [c.source for c in choices] == ["model", "model", "lookup"]
+    assert policy.HYBRID_MAX_ROWS == 2
+
+
 def test_rows_without_a_free_draft_keep_to_the_model_depth_of_the_step(monkeypatch):
     # The decoder side of the step above: the rows drafted by the model take the depth
     # the controller set, the row with a free draft its lookup draft to K.
+    monkeypatch.setattr(policy, "HYBRID_MAX_ROWS", 4)  # model rows take lookups here
     ctl = _optimist()
 
     def deep(auto, fixed, drafted_rows, warm=(0, 1.0), **_):
@@ -374,6 +406,7 @@ def test_a_row_with_a_free_draft_takes_the_models_where_the_model_runs_and_passe
     # the model's three (90%) instead; a row the model has not read stays with its lookup
     # draft. (Mutation: free drafts always taken -> row 0 drafts its lookup tokens;
     # measured: "auto"'s K = 2 steps at 4 demo rows emitted 8.8 tokens, a K = 2 lane's 9.4.)
+    monkeypatch.setattr(policy, "HYBRID_MAX_ROWS", 4)  # model rows take lookups here
     ctl = _optimist()
     ctl.acceptance["model"] = adaptive.Acceptance(18.0, 20.0)
     ctl.acceptance[adaptive.HYBRID_LOOKUP] = adaptive.Acceptance(6.0, 20.0)
