@@ -388,8 +388,9 @@ class DraftController:
     block: bool = False  # a block drafter (DFlash): any number of drafts costs one pass
     # Drafts a probe asks for: one, or a block drafter's whole block (capped at
     # MAX_AUTO_DRAFT; `_probe_width`), which costs it the same one pass and tells
-    # acceptance at every position of the block (measured: DFlash at long context, one-token probes took ~40
-    # steps to lift a row's acceptance from the pair's 0.22 to its own 0.6).
+    # acceptance at every position of the block (measured: DFlash at long context,
+    # one-token probes took ~40 steps to lift a row's acceptance from the pair's 0.22
+    # to its own 0.6).
     probe_depth: int = 1
     calibrated: bool = True  # curves in seconds (else decode-step units)
     live_target: dict = field(default_factory=dict)  # (rows, width) -> measured / curve
@@ -866,8 +867,8 @@ class DraftController:
 
     def reuse_settled(self, key, offer: tuple[int, int], rows: int) -> int | None:
         """A K = 0 decision reused unpriced: 0 (plain), a probe's drafts (`_probe_width`,
-        `probing` set) or None (price this step). `key` sums up the batch (its rows and their acceptance,
-        not the caps): while it is unchanged, a K = 0 decision holds for SETTLED_STEPS
+        `probing` set) or None (price this step). `key` sums up the batch (its rows and
+        their acceptance, not the caps): while it is unchanged, a K = 0 decision holds for SETTLED_STEPS
         steps, unless `offer` (rows with a free prompt-lookup draft, their tokens)
         clearly grows past any priced since (FREE_SLACK; a shrinking budget only removes
         K's that did not pay). No key: always None."""
