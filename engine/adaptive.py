@@ -868,9 +868,9 @@ class DraftController:
     def reuse_settled(self, key, offer: tuple[int, int], rows: int) -> int | None:
         """A K = 0 decision reused unpriced: 0 (plain), a probe's drafts (`_probe_width`,
         `probing` set) or None (price this step). `key` sums up the batch (its rows and
-        their acceptance, not the caps): while it is unchanged, a K = 0 decision holds for SETTLED_STEPS
-        steps, unless `offer` (rows with a free prompt-lookup draft, their tokens)
-        clearly grows past any priced since (FREE_SLACK; a shrinking budget only removes
+        their acceptance, not the caps): while it is unchanged, a K = 0 decision holds
+        for SETTLED_STEPS steps, unless `offer` (rows with a free prompt-lookup draft,
+        their tokens) clearly grows past any priced since (FREE_SLACK; a shrinking budget only removes
         K's that did not pay). No key: always None."""
         self.probing = False
         self.model_rows_draft, self.model_depth = True, None
