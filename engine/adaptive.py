@@ -403,6 +403,12 @@ class DraftController:
     # the rows' lives is priced by how plain decoding costs now, not by its own old seconds.
     live_relative: dict = field(default_factory=dict)
     realized: dict = field(default_factory=dict)  # size class -> Realized: the guard's evidence
+    # size class -> Realized of the steps whose drafts were all free (prompt lookup, no
+    # draft-model pass), beside the same plain steps: a draft model that loses must not
+    # stop free drafts (measured: the random-draft pair at 1 row, "auto" drafting the
+    # useless model while untried set the verdict, then 14 steps with a lookup draft ran
+    # plain; 0.94-0.99x plain where lookups run 1.07-1.21x)
+    realized_free: dict = field(default_factory=dict)
     probe_rows: int = 0  # batch size of the last probe
     probe_pending: bool = False  # an accepted probe, judged by the next pricing
     settled: tuple | None = None  # (key, may probe, free offer priced) of a K = 0
@@ -784,8 +790,9 @@ class DraftController:
                 rates, best, self.model_rows_draft, self.model_depth = alone, k_alone, False, 0
         elif not any(r.free for r in auto):
             self.model_k[c] = best
-        pays = rates[best] > bar and not self.speculation_lost(rows)
-        if not pays and self._untried() and not self.speculation_lost(rows):
+        free_step = not self.model_rows_draft or all(r.free for r in auto)
+        pays = rates[best] > bar and not self.speculation_lost(rows, free_step)
+        if not pays and self._untried() and not self.speculation_lost(rows, free_step):
             # The pair has heard next to no drafts: its acceptance is PRIOR_ACCEPTANCE, a
             # guess, and K = 0 learns nothing (measured: a whole lockstep cell at 4 demo
             # rows ran plain where K = 1 ran 1.07x). Draft, and let the rows' drafts and
@@ -801,7 +808,7 @@ class DraftController:
                 self._probe_failed(self.probe_rows, drafted_rows)
         if pays:
             self.steps_since_probe[c] = 0
-            group = self.realized.setdefault(c, Realized())
+            group = (self.realized_free if free_step else self.realized).setdefault(c, Realized())
             if self._plain_check(group):
                 return 0
             k = self._explore(c, rows, best, k_max, rates)
@@ -946,12 +953,20 @@ class DraftController:
         """The guard's batch-size group: 1, 2-3, 4-7, 8-15, 16-31, ..."""
         return rows.bit_length()
 
-    def speculation_lost(self, rows: int) -> bool:
-        realized = self.realized.get(self.size_class(rows))
+    def speculation_lost(self, rows: int, free: bool = False) -> bool:
+        """The guard's verdict at this batch size: for steps that draft by the draft model,
+        or (`free`) for steps whose drafts are all free."""
+        realized = (self.realized_free if free else self.realized).get(self.size_class(rows))
         return realized is not None and realized.speculation_lost(self.now)
 
     def observe_realized(
-        self, rows: int, seconds: float, emitted: int, drafted: bool, evidence: bool = True
+        self,
+        rows: int,
+        seconds: float,
+        emitted: int,
+        drafted: bool,
+        evidence: bool = True,
+        free: bool = False,
     ) -> None:
         """Feed the realized-speed guard one whole step (and advance its clock): its
         wall-clock seconds (choosing, drafting, verifying, bookkeeping), the tokens it
@@ -959,14 +974,21 @@ class DraftController:
         predicts, speculation that measurably cost more per token than plain decoding
         at this batch size stops (engine/realized.py). A step that is no evidence of
         either kind (`evidence` False: a probe, where one row drafts to measure
-        acceptance, or a step that admitted rows) only advances the clock."""
+        acceptance, or a step that admitted rows) only advances the clock. A step whose
+        drafts were all free (`free`: no draft-model pass) is judged apart from those
+        that ran the draft model; plain steps are evidence for both."""
         self.now += 1
         checking, self.checking = self.checking, None
         if checking is not None and not evidence:
             checking.plain_asked = -1  # the plain check was no evidence: ask again
         if emitted and seconds > 0 and evidence:
-            group = self.realized.setdefault(self.size_class(rows), Realized())
-            group.observe(self.now, seconds, emitted, drafted)
+            c = self.size_class(rows)
+            if drafted:
+                kind = self.realized_free if free else self.realized
+                kind.setdefault(c, Realized()).observe(self.now, seconds, emitted, True)
+            else:
+                for kind in (self.realized, self.realized_free):
+                    kind.setdefault(c, Realized()).observe(self.now, seconds, emitted, False)
 
     def observe_overhead(self, rows: int, seconds: float, drafted: bool) -> None:
         """Fold the seconds one step spent outside its draft and target passes into the

@@ -460,7 +460,9 @@ class DraftPolicy:
         # pays: a fixed K at a poor acceptance, slower than plain, would stop "auto" drafting
         # at that batch size.
         evidence = not probing and not fixed_drafted
-        ctl.observe_realized(n_rows, seconds - read_s, emitted, drafted, evidence=evidence)
+        # Drafts that ran no draft-model pass (prompt lookup) are judged apart.
+        free = drafted and depth == 0
+        ctl.observe_realized(n_rows, seconds - read_s, emitted, drafted, evidence, free)
         # Row changes are priced apart (observe_churn); the guard counts them in.
         other = seconds - outcome.draft_s - outcome.verify_s - outcome.churn_s
         ctl.observe_overhead(n_rows, other, drafted)

@@ -432,6 +432,29 @@ def test_a_row_with_a_free_draft_takes_the_models_where_the_model_runs_and_passe
     assert [(c.k, c.source) for c in choices] == [(3, "model"), (3, "model"), (3, "lookup")]
 
 
+def test_a_draft_model_that_loses_does_not_stop_free_drafts():
+    # The guard judges steps whose drafts were all free (prompt lookup, no draft-model
+    # pass) apart from those that ran the draft model, beside the same plain steps: a
+    # useless draft model drafted while untried loses, and must not keep a row whose
+    # text repeats from its lookup drafts, which pay. (Mutation: one verdict for both ->
+    # the free row runs plain; measured: random-draft pair at 1 row, 14 steps with a
+    # lookup draft ran plain, 0.94-0.99x plain where lookups run 1.07-1.21x.)
+    ctl = _optimist()
+    for _ in range(6):  # plain: 1 token in 10 ms
+        ctl.observe_realized(1, 0.010, 1, False)
+    for _ in range(12):  # the draft model: 1 token in 14 ms
+        ctl.observe_realized(1, 0.014, 1, True)
+    assert ctl.speculation_lost(1) and not ctl.speculation_lost(1, free=True)
+    free_row = [AutoRow(0.9, 6, free=True)]
+    ctl.checking = None
+    got = [ctl.choose_batch_k(free_row, [], 1) for _ in range(3)]
+    assert any(k > 0 for k in got), got  # the free row drafts (after a plain check)
+    assert ctl.choose_batch_k([AutoRow(0.9, 6, free=False)], [], 1) == 0
+    for _ in range(12):  # free drafts that lose are stopped too: 1 token in 14 ms
+        ctl.observe_realized(1, 0.014, 1, True, free=True)
+    assert ctl.speculation_lost(1, free=True)
+
+
 def test_steps_drafted_at_a_fixed_length_are_no_evidence_for_the_guard(monkeypatch):
     # The guard judges what "auto"'s drafting pays; a request that fixed its own K (say
     # K = 7 at a poor acceptance, slower than plain) must not stop "auto" drafting at that
@@ -439,7 +462,9 @@ def test_steps_drafted_at_a_fixed_length_are_no_evidence_for_the_guard(monkeypat
     ctl = _optimist()
     seen = []
     monkeypatch.setattr(
-        ctl, "observe_realized", lambda n, s, e, drafted, evidence=True: seen.append(evidence)
+        ctl,
+        "observe_realized",
+        lambda n, s, e, drafted, evidence=True, free=False: seen.append(evidence),
     )
     chooser = policy.DraftPolicy(ctl, None)
 
