@@ -210,6 +210,9 @@ def test_a_block_drafters_probe_drafts_its_whole_block(monkeypatch):
     assert ctl._probe_width(1) == 1
     ctl.target = flat
     assert ctl._probe_width(1) == ctl.probe_depth
+    # Through the decoder: the width is what its probes draft (held, as live timings
+    # move the prices this tiny pair runs at).
+    monkeypatch.setattr(ctl, "_probe_width", lambda rows: ctl.probe_depth)
     ctl.acceptance["model"] = Acceptance(0.0, 60.0)  # its drafts never passed: K = 0 settles
     probes = []
     probe_result = ctl.probe_result
