@@ -220,4 +220,5 @@ def test_a_block_drafters_probe_drafts_its_whole_block(monkeypatch):
     ids = pair.tokenizer.encode(PROMPTS[0])
     got = engine.generate(pair, GenerationRequest(prompt_ids=ids, max_tokens=48))
     assert got.token_ids == reference_greedy(pair, ids, 48)
-    assert probes and set(probes) == {ctl.probe_depth}
+    # (A probe near the end drafts no more than the row's budget left.)
+    assert probes and max(probes) == ctl.probe_depth
