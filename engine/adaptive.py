@@ -375,12 +375,10 @@ class DraftController:
     probe_interval: dict = field(default_factory=dict)
     steps_since_probe: dict = field(default_factory=dict)
     probing: bool = False  # the last choose_batch_k was a probe
-    # False where the last choose_batch_k's K is for the rows with a free draft only: the
-    # others draft nothing (no draft model pass for them).
-    model_rows_draft: bool = True
     # The most drafts a row without a free draft takes in the last choose_batch_k's step,
-    # where that is less than its K (None: K; 0 where model_rows_draft is False): the
-    # rows with a free draft take theirs to K, the others what pays for the draft model.
+    # where that is less than its K (None: K; 0: the rows with a free draft draft alone,
+    # no draft model pass): the rows with a free draft take theirs to K, the others what
+    # pays for the draft model (`model_rows_draft`).
     model_depth: int | None = None
     # size class -> the K of its last priced step where no row had a free draft: what
     # drafting by the model alone pays there (the depth a step with free drafts may keep)
@@ -435,6 +433,16 @@ class DraftController:
     prices: dict = field(default_factory=dict)
     prices_at: tuple = ()
     price_version: int = 0  # bumped when a shape is new to a live table: prices made before go
+
+    @property
+    def model_rows_draft(self) -> bool:
+        """False where the last choose_batch_k's K is for the rows with a free draft only:
+        the others draft nothing (`model_depth` 0)."""
+        return self.model_depth != 0
+
+    @model_rows_draft.setter
+    def model_rows_draft(self, drafts: bool) -> None:
+        self.model_depth = None if drafts else 0
 
     @classmethod
     def for_pair(cls, pair, calibrate: bool = True) -> DraftController:
@@ -730,7 +738,7 @@ class DraftController:
         acceptance: a drafting decision is reused while it stays the same (`_reuse_held`);
         None: every step is priced."""
         self.probing = False
-        self.model_rows_draft, self.model_depth = True, None
+        self.model_depth = None
         if not auto:
             return 0
         rows = rows if rows is not None else len(auto) + len(fixed)
@@ -787,7 +795,7 @@ class DraftController:
                 if mixed[k_mixed] > rates[best]:
                     rates, best, self.model_depth = mixed, k_mixed, depth
             if alone[k_alone] > rates[best]:
-                rates, best, self.model_rows_draft, self.model_depth = alone, k_alone, False, 0
+                rates, best, self.model_depth = alone, k_alone, 0
         elif not any(r.free for r in auto):
             self.model_k[c] = best
         free_step = not self.model_rows_draft or all(r.free for r in auto)
@@ -880,7 +888,7 @@ class DraftController:
         their tokens) clearly grows past any priced since (FREE_SLACK; a shrinking budget only removes
         K's that did not pay). No key: always None."""
         self.probing = False
-        self.model_rows_draft, self.model_depth = True, None
+        self.model_depth = None
         if key is None or self.settled is None or self.settled_left <= 0:
             return None
         priced_key, may_probe, bound = self.settled
