@@ -280,3 +280,107 @@ def test_worker_modules_import_no_cycle():
     for module in sorted(graph):
         visit(module, ())
     assert "rqworker" in graph["cli"] and "guard" in graph["runner"]
+
+
+# -- two deliveries finishing in the same instant -------------------------------------------
+
+
+def _deliveries(env, names):
+    """A job of ours taken from its queue and run by workers `names` (in-process, no
+    pair loaded): {name: (worker, its copy of the job, its execution)}, and the queue."""
+    from rq import Queue
+    from rq.serializers import JSONSerializer
+
+    from worker.guard import job_class
+    from worker.rqworker import SpecWorker
+
+    conn, keys = env.conn, env.keys
+    queue = Queue(keys.queue_name("demo"), connection=conn, serializer=JSONSerializer)
+    job = queue.enqueue("worker.jobs.run_lines", "b", ["k"], result_ttl=0, retry=None)
+    assert conn.lpop(queue.key).decode() == job.id  # taken, as RQ's dequeue does
+    runs = {}
+    for name in names:
+        w = SpecWorker(
+            [queue],
+            name=f"{env.prefix}-{name}",
+            connection=conn,
+            serializer=JSONSerializer,
+            job_class=job_class(None),
+            context=None,
+            refused_key=keys.refused,
+            stats_key=keys.worker(name),
+        )
+        mine = w.job_class.fetch(job.id, connection=conn, serializer=JSONSerializer)
+        execution = w.prepare_execution(mine)  # as worker.runner claims a job
+        w.prepare_job_execution(mine)
+        mine.ended_at = mine.started_at
+        runs[name] = (w, mine, execution)
+    return runs, queue
+
+
+def _finished_cleanly(conn, runs, queue):
+    _, job, _ = next(iter(runs.values()))
+    assert not conn.exists(job.key)
+    assert not any(conn.exists(e.key) for _, _, e in runs.values())
+    assert not conn.exists(job.execution_registry.key)
+    assert queue.count == 0, "retried"
+    assert not FailedJobRegistry(queue.name, connection=conn).get_job_ids()
+    assert not list(conn.scan_iter(match=f"{job.key}:*"))
+
+
+def test_two_deliveries_finishing_at_once_both_end_as_success(redis_env, monkeypatch):
+    """The slower of two deliveries stops as soon as it sees the line stored, so both
+    often finish in the same millisecond (a CI run caught it). Here the other delivery
+    finishes in the middle of this one's RQ bookkeeping: both must end as successes, the
+    job and both run records gone, nothing retried and nothing failed."""
+    import threading
+
+    from worker import rqcompat
+
+    runs, queue = _deliveries(redis_env, ["a", "b"])
+    assert len(runs["a"][1].execution_registry.get_execution_ids()) == 2
+    outcomes, other = {}, []
+    real_forget = rqcompat.forget_dead_executions
+
+    def b_finishes_meanwhile(job_):
+        if not other:  # a's bookkeeping: b finishes now, or waits its turn
+            w, mine, execution = runs["b"]
+            t = threading.Thread(
+                target=lambda: outcomes.update(
+                    b=rqcompat.finish_job(w, mine, queue, execution, {"lines": 1})
+                )
+            )
+            other.append(t)
+            t.start()
+            t.join(timeout=0.5)
+        return real_forget(job_)
+
+    monkeypatch.setattr(rqcompat, "forget_dead_executions", b_finishes_meanwhile)
+    w, mine, execution = runs["a"]
+    outcomes["a"] = rqcompat.finish_job(w, mine, queue, execution, {"lines": 1})
+    other[0].join(timeout=30)
+    assert outcomes == {"a": True, "b": True}
+    _finished_cleanly(redis_env.conn, runs, queue)
+
+
+def test_a_run_record_expiring_while_a_job_finishes_is_forgotten(redis_env, monkeypatch):
+    """A dead run's record expires after the worker looked for dead runs and before RQ
+    reads them: the job still ends as a success, not as a retry."""
+    from worker import rqcompat
+
+    runs, queue = _deliveries(redis_env, ["a", "dead"])
+    _, _, dead = runs.pop("dead")
+    calls = []
+    real_forget = rqcompat.forget_dead_executions
+
+    def expires_after_the_look(job_):
+        calls.append(real_forget(job_))
+        if len(calls) == 1:
+            redis_env.conn.delete(dead.key)  # its TTL ran out just now
+        return calls[-1]
+
+    monkeypatch.setattr(rqcompat, "forget_dead_executions", expires_after_the_look)
+    w, mine, execution = runs["a"]
+    assert rqcompat.finish_job(w, mine, queue, execution, {"lines": 1})
+    assert calls == [0, 1]
+    _finished_cleanly(redis_env.conn, runs, queue)

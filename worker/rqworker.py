@@ -32,7 +32,9 @@ forking after Metal is initialised crashes on macOS) with these changes:
   full: worker.redisfull), a stop signal to an idle worker (or a second one) ends the
   wait for it.
 - A job run again after its worker was killed, or delivered twice, ends as a success
-  even when RQ still lists the dead run (rqcompat.forget_dead_executions).
+  even when RQ still lists the dead run (rqcompat.forget_dead_executions). Two deliveries
+  finish one at a time (a Redis lock per job), so neither reads run records the other
+  is deleting.
 
 RQ private names are used through worker.rqcompat only.
 """
@@ -79,6 +81,11 @@ if redis.call('LREM', KEYS[1], 1, ARGV[1]) == 1 then
 end
 return 0
 """
+
+
+#: How long one delivery may hold a job's finishing lock (RQ's success bookkeeping: a few
+#: Redis round trips); a worker killed while holding it delays the other this long.
+FINISH_LOCK_S = 10
 
 
 class _NoDeathPenalty(BaseDeathPenalty):
@@ -191,18 +198,36 @@ class SpecWorker(SimpleWorker):
 
     def handle_job_success(self, job: Job, queue, started_job_registry, execution) -> None:
         # A run after a killed one, or the slower of two deliveries, must end as the
-        # success it is: the line is stored once whichever run stored it.
-        if not self.connection.hexists(job.key, "status"):
-            # The other delivery finished first and deleted the job (result_ttl 0):
-            # RQ's bookkeeping would fail on the missing job; only ours is left to clean.
-            with self.connection.pipeline() as pipe:
-                self.cleanup_execution(job, pipe, execution)
-                pipe.delete(job.key)  # a late heartbeat may have written it again
-                pipe.execute()
-            log.info("job %s was finished by another delivery as well", job.id)
-            return
-        rqcompat.forget_dead_executions(job)  # a dead run's leftovers
-        super().handle_job_success(job, queue, started_job_registry, execution)
+        # success it is: the line is stored once whichever run stored it. Two deliveries
+        # finish one after the other: the slower one stops as soon as it sees the line
+        # stored, so both often finish within the same millisecond, and RQ's clean-up
+        # of one would read the other's run records while the other deletes them.
+        with self.connection.lock(
+            f"{job.key}:finishing", timeout=FINISH_LOCK_S, blocking_timeout=2 * FINISH_LOCK_S
+        ):
+            self._finish_success(job, queue, started_job_registry, execution)
+
+    def _finish_success(self, job: Job, queue, started_job_registry, execution) -> None:
+        for attempt in (1, 2):
+            if not self.connection.hexists(job.key, "status"):
+                # The other delivery finished first and deleted the job (result_ttl 0):
+                # RQ's bookkeeping would fail on the missing job; only ours is left.
+                with self.connection.pipeline() as pipe:
+                    self.cleanup_execution(job, pipe, execution)
+                    pipe.delete(job.key)  # a late heartbeat may have written it again
+                    pipe.execute()
+                log.info("job %s was finished by another delivery as well", job.id)
+                return
+            rqcompat.forget_dead_executions(job)  # a dead run's leftovers
+            try:
+                super().handle_job_success(job, queue, started_job_registry, execution)
+                return
+            except ValueError as exc:
+                # A dead run's record expired between the two reads above: RQ read its
+                # id and not its record, before writing anything. Once more, forgetting it.
+                if attempt == 2 or "not found in Redis" not in str(exc):
+                    raise
+                log.info("job %s: a run record expired while finishing; once more", job.id)
 
     # -- liveness ---------------------------------------------------------------------
 
