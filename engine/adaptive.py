@@ -60,6 +60,7 @@ from .policy import (
     MAX_AUTO_DRAFT,
     OUTLIER,
     PASS_SIZES,
+    PLAIN_SETTLE,
     PRICE_STEPS,
     PRIOR_ACCEPTANCE,
     PRIOR_WEIGHT,
@@ -425,6 +426,7 @@ class DraftController:
     # size class -> seconds of one change of rows (rows leaving or joining copy the caches)
     churn: dict = field(default_factory=dict)
     checking: Realized | None = None  # the class whose plain check this step is
+    joined_at: int = -PLAIN_SETTLE  # `now` of the newest step that admitted rows
     # (rows, width) -> `now` when a step of that shape last ran (`_explore`)
     shape_seen: dict = field(default_factory=dict)
     explored: dict = field(default_factory=dict)  # size class -> `now` of its last exploring step
@@ -854,7 +856,10 @@ class DraftController:
 
     def _plain_check(self, group: Realized) -> bool:
         """Whether this drafting step runs plain for the guard (realized.plain_due); the
-        step's outcome is then that check's (`checking`)."""
+        step's outcome is then that check's (`checking`). Not within PLAIN_SETTLE steps
+        of rows joining: the check waits, and is due as soon as they are past."""
+        if self.now - self.joined_at < PLAIN_SETTLE:
+            return False
         if group.plain_due():
             self.checking = group
             return True
@@ -975,6 +980,7 @@ class DraftController:
         drafted: bool,
         evidence: bool = True,
         free: bool = False,
+        joined: bool = False,
     ) -> None:
         """Feed the realized-speed guard one whole step (and advance its clock): its
         wall-clock seconds (choosing, drafting, verifying, bookkeeping), the tokens it
@@ -984,8 +990,11 @@ class DraftController:
         either kind (`evidence` False: a probe, where one row drafts to measure
         acceptance, or a step that admitted rows) only advances the clock. A step whose
         drafts were all free (`free`: no draft-model pass) is judged apart from those
-        that ran the draft model; plain steps are evidence for both."""
+        that ran the draft model; plain steps are evidence for both. `joined`: the step
+        admitted rows (no evidence; the guard's plain checks wait PLAIN_SETTLE steps)."""
         self.now += 1
+        if joined:
+            self.joined_at = self.now
         checking, self.checking = self.checking, None
         if checking is not None and not evidence:
             checking.plain_asked = -1  # the plain check was no evidence: ask again

@@ -104,6 +104,12 @@ GUARD_HOLD_FIRST, GUARD_HOLD = 64, 512
 #: few steps, and counted in all steps, every visit took a plain check (measured at 4
 #: demo rows in lockstep: 4.2 plain steps a run among the last rows, 1.2 counted here).
 PLAIN_FIRST, PLAIN_MAX = 2, 64
+#: ... but not within this many steps of rows joining: the first step over a batch that
+#: rows just joined runs slow (measured at 4 demo rows: a plain step 13% over the rest,
+#: a drafting one 6%), and a plain check there, one of the few plain steps the guard
+#: hears, made plain look 15% dearer than it is, and drafting that lost 4% of plain's
+#: speed looked like a win.
+PLAIN_SETTLE = 2
 #: While "auto" drafts at a batch-size class, a neighbouring K (one more or one fewer
 #: draft) whose step shape has not run there for EXPLORE_EVERY steps runs one step, at
 #: most one such step every EXPLORE_GAP steps, so that its pass price stays live.
@@ -441,7 +447,7 @@ class DraftPolicy:
         if outcome.joined:
             # A step that admitted rows also ran their prefill and the first pass over
             # the joined cache: not a fair sample of any cost.
-            ctl.observe_realized(n_rows, 0.0, 0, False, evidence=False)
+            ctl.observe_realized(n_rows, 0.0, 0, False, evidence=False, joined=True)
             return
         depth = proposer.depth_run if proposer is not None else 0
         members = len(proposer.members) if proposer is not None else 0
