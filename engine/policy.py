@@ -88,6 +88,9 @@ GUARD_MIN_PLAIN = 3
 #: ... and only while its drafting steps, decayed by GUARD_DECAY, weigh at least this many
 #: steps (engine/realized.py: a verdict is never one fresh step after a long plain stretch).
 GUARD_MIN_WEIGHT = 4.0
+#: The guard's plain side is the decayed mean or, where less, the median seconds a token
+#: of its newest this many plain steps (engine/realized.py: a pause is no plain cost).
+GUARD_MEDIAN_OF = 7
 #: The first steps of each kind at a batch-size class are no evidence: a process's first
 #: passes of a shape run slow (measured: a false verdict at 1 demo row from them).
 GUARD_SKIP = 2

@@ -13,7 +13,13 @@ from engine.adaptive import (
     PassCosts,
     static_costs,
 )
-from engine.policy import GUARD_MIN_STEPS, GUARD_SKIP, PROBE_FIRST
+from engine.policy import (
+    GUARD_MEDIAN_OF,
+    GUARD_MIN_PLAIN,
+    GUARD_MIN_STEPS,
+    GUARD_SKIP,
+    PROBE_FIRST,
+)
 
 
 def _controller() -> DraftController:
@@ -66,6 +72,28 @@ def test_speculation_that_pays_per_token_goes_on_and_a_lost_size_recovers():
     # Drafting again; one plain step first, the plain side of the evidence being 100 steps old.
     got = _choices(ctl, 4)
     assert got[0] == 0 and got.count(0) == 1
+
+
+def test_one_paused_plain_step_does_not_make_losing_drafts_look_like_a_win():
+    # The plain side hears a few plain checks where the drafting side hears hundreds of
+    # steps; a pause of the process in one plain check (GC, the OS) weighed as much as a
+    # run of drafting (measured at 4 demo rows: plain read 1.47 ms a token where plain
+    # steps cost 0.78, and drafting that lost to plain ran on). The plain side is the
+    # median of its newest steps where that is less. (Mutation: `plain` the decayed mean
+    # alone -> drafting 5% dearer a token than plain looks 2x cheaper.)
+    ctl = _controller()
+    for _ in range(GUARD_SKIP + GUARD_MIN_STEPS):
+        ctl.observe_realized(4, 0.0105, 4, drafted=True)  # 5% dearer a token than plain
+    for _ in range(GUARD_SKIP + GUARD_MIN_PLAIN):
+        ctl.observe_realized(4, 0.010, 4, drafted=False)
+    ctl.observe_realized(4, 0.100, 4, drafted=False)  # a pause in one plain check
+    for _ in range(8):
+        ctl.observe_realized(4, 0.0105, 4, drafted=True)
+    assert ctl.speculation_lost(4)
+    # A plain cost that really moved is heard within GUARD_MEDIAN_OF steps.
+    for _ in range(GUARD_MEDIAN_OF):
+        ctl.observe_realized(4, 0.020, 4, drafted=False)
+    assert not ctl.speculation_lost(4)
 
 
 def test_where_speculation_lost_even_accepted_probes_come_less_and_less_often():
