@@ -458,8 +458,13 @@ class DraftPolicy:
         # step whose first draft pass also read a backlog is no sample of a draft pass's
         # price (its reads are priced as one-off reads, `read_cost`).
         draft_s = max(outcome.draft_s - read_s, 0.0)
-        if proposer is not None and proposer.backlog_read:
+        backlog_s = 0.0
+        if proposer is not None and depth and proposer.backlog_read:
             draft_s = 0.0
+            # ... nor evidence against drafting: the guard hears the step less that read's
+            # price (`warm_seconds`, as `read_cost` prices it before the step), as it heard
+            # a catch-up pass less its timing while the backlog had a pass of its own.
+            backlog_s = ctl.warm_seconds(proposer.backlog_read)
         ctl.observe_step(n_rows, outcome.width, outcome.verify_s, depth, members, draft_s)
         emitted = sum(1 + n for n in outcome.accepted)
         seconds = time.perf_counter() - outcome.started
@@ -471,7 +476,9 @@ class DraftPolicy:
         evidence = not probing and not fixed_drafted
         # Drafts that ran no draft-model pass (prompt lookup) are judged apart.
         free = drafted and depth == 0
-        ctl.observe_realized(n_rows, seconds - read_s, emitted, drafted, evidence, free)
+        ctl.observe_realized(
+            n_rows, max(seconds - read_s - backlog_s, 0.0), emitted, drafted, evidence, free
+        )
         # Row changes are priced apart (observe_churn); the guard counts them in.
         other = seconds - outcome.draft_s - outcome.verify_s - outcome.churn_s
         ctl.observe_overhead(n_rows, other, drafted)

@@ -16,13 +16,17 @@ from its first steps). So while "auto" drafts at a class, a plain step runs ther
 and then (`plain_due`: before the first drafting step, then after PLAIN_FIRST steps,
 twice as long each time, up to PLAIN_MAX; steps at that class, not of the whole batch's
 life: a class met only now and then, as the last rows of each batch of work finish,
-would otherwise take a plain step on most visits), and a verdict against drafting lapses
+would otherwise take a plain step on most visits; never within PLAIN_SETTLE steps of rows
+joining, whose first steps run slow), and a verdict against drafting lapses
 some steps after the class last drafted (GUARD_HOLD_FIRST, twice as long after each
 trial that loses again, up to GUARD_HOLD), so that a class lost once is tried again.
 A verdict needs recent drafting evidence (GUARD_MIN_WEIGHT steps' worth, decayed): a
 first drafting step after a long plain stretch is judged with the steps that follow
 it, not alone (measured: DFlash at long context ran plain for good after one slow
 first step, 1.00x plain where it drafts at 1.6x).
+The plain side hears few steps where the drafting side hears hundreds, so a pause of the
+process in one plain step would weigh as much as a run of drafting: it is the median of
+its newest GUARD_MEDIAN_OF steps where that is less than their decayed mean.
 Probe steps (one row drafts to measure acceptance) are evidence of neither, and the
 draft model's one-off reads (rows it has not seen, or a backlog of tokens it has not
 read) are priced apart, not counted against drafting.

@@ -606,6 +606,14 @@ def test_a_backlog_is_read_by_the_first_draft_pass_and_the_text_stays_exact(monk
     priced = []  # draft seconds each step hands the draft-pass prices
     observe_step = ctl.observe_step
     monkeypatch.setattr(ctl, "observe_step", lambda *a: priced.append(a[-1]) or observe_step(*a))
+    heard = []  # the seconds of each step the guard hears
+    observe_realized = ctl.observe_realized
+    monkeypatch.setattr(
+        ctl,
+        "observe_realized",
+        lambda n, s, *a, **k: heard.append(s) or observe_realized(n, s, *a, **k),
+    )
+    monkeypatch.setattr(ctl, "warm_seconds", lambda positions: 1.0 if positions else 0.0)
     ids = pair.tokenizer.encode("def fibonacci(n):\n")
     dec = engine.batch.SpeculativeDecoder(
         pair, ids, SamplingParams(0.0), max_tokens=40, plan=ctl.plan("model", True)
@@ -628,6 +636,10 @@ def test_a_backlog_is_read_by_the_first_draft_pass_and_the_text_stays_exact(monk
     assert len(passes[6]) == 2 and passes[6][0] >= 6 and passes[6][1] == 1
     # (Step 0 admitted its row: no step prices from it, so priced[i] is step i + 1's.)
     assert priced[5] == 0.0 and any(priced[9:])
+    # Nor does the guard count that read against drafting: it hears the step less the
+    # read's price (here a whole second, so nothing is left of step 6), the others whole.
+    # (Mutation: the guard hears the whole step -> step 6 weighs its read.)
+    assert heard[6] == 0.0 and all(heard[1:6]) and all(heard[7:10])
     # Every later step runs as many passes as it drafts (none on a prompt-lookup step).
     schedule = [2, 0, 0] + [3] * 10
     assert all(len(p) in (0, k) for p, k in zip(passes[7:], schedule, strict=False))
