@@ -91,6 +91,10 @@ GUARD_MIN_WEIGHT = 4.0
 #: The guard's plain side is the decayed mean or, where less, the median seconds a token
 #: of its newest this many plain steps (engine/realized.py: a pause is no plain cost).
 GUARD_MEDIAN_OF = 7
+#: ... and a verdict against drafting needs its excess over plain (past MARGIN) to be
+#: more than this many standard errors of the two sides (engine/realized.py: a verdict
+#: on a swing of a few rows' noisy steps stood for hundreds of steps).
+GUARD_Z = 2.0
 #: The first steps of each kind at a batch-size class are no evidence: a process's first
 #: passes of a shape run slow (measured: a false verdict at 1 demo row from them).
 GUARD_SKIP = 2

@@ -96,6 +96,23 @@ def test_one_paused_plain_step_does_not_make_losing_drafts_look_like_a_win():
     assert not ctl.speculation_lost(4)
 
 
+def test_a_verdict_needs_drafting_to_lose_by_more_than_its_noise():
+    # At one row a drafting step emits one token or several, so its cost a token swings
+    # by half from step to step. Drafting 4.5% dearer a token than plain on such steps is
+    # within their noise: no verdict (a verdict on a swing stood for hundreds of steps:
+    # measured at 1 demo row, 1 process in 3 ran the draft model on ~6% of its steps).
+    # Drafting a third dearer is a verdict. (Mutation: GUARD_Z = 0 -> lost at 4.5%.)
+    ctl = _controller()
+    for _ in range(GUARD_SKIP + GUARD_MIN_PLAIN + 4):
+        ctl.observe_realized(1, 0.0022, 1, drafted=False)  # 2.2 ms a token
+    for i in range(60):
+        ctl.observe_realized(1, 0.0046, 1 + i % 3, drafted=True)  # 2.3 ms a token
+    assert not ctl.speculation_lost(1)
+    for i in range(60):
+        ctl.observe_realized(1, 0.0060, 1 + i % 3, drafted=True)  # 3.0 ms a token
+    assert ctl.speculation_lost(1)
+
+
 def test_where_speculation_lost_even_accepted_probes_come_less_and_less_often():
     ctl = _controller()
     for _ in range(GUARD_SKIP + GUARD_MIN_STEPS):
