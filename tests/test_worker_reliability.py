@@ -384,3 +384,23 @@ def test_a_run_record_expiring_while_a_job_finishes_is_forgotten(redis_env, monk
     assert rqcompat.finish_job(w, mine, queue, execution, {"lines": 1})
     assert calls == [0, 1]
     _finished_cleanly(redis_env.conn, runs, queue)
+
+
+def test_a_finish_that_outlasts_its_lock_still_ends_as_a_success(redis_env, monkeypatch):
+    """A delivery waiting for Redis (full, or restarting) while it finishes may hold its
+    finishing lock past FINISH_LOCK_S: the lock expires, and the success stands (not a
+    failure and a retry of a stored line)."""
+    from worker import rqcompat, rqworker
+
+    monkeypatch.setattr(rqworker, "FINISH_LOCK_S", 0.2)
+    runs, queue = _deliveries(redis_env, ["a"])
+    real_forget = rqcompat.forget_dead_executions
+
+    def slow_redis(job_):
+        time.sleep(0.4)  # past the lock's 0.2 s
+        return real_forget(job_)
+
+    monkeypatch.setattr(rqcompat, "forget_dead_executions", slow_redis)
+    w, mine, execution = runs["a"]
+    assert rqcompat.finish_job(w, mine, queue, execution, {"lines": 1})
+    _finished_cleanly(redis_env.conn, runs, queue)

@@ -47,6 +47,7 @@ import os
 import signal
 import time
 
+from redis.exceptions import LockError
 from rq import SimpleWorker
 from rq.exceptions import StopRequested
 from rq.job import Job, JobStatus
@@ -202,10 +203,18 @@ class SpecWorker(SimpleWorker):
         # finish one after the other: the slower one stops as soon as it sees the line
         # stored, so both often finish within the same millisecond, and RQ's clean-up
         # of one would read the other's run records while the other deletes them.
-        with self.connection.lock(
+        lock = self.connection.lock(
             f"{job.key}:finishing", timeout=FINISH_LOCK_S, blocking_timeout=2 * FINISH_LOCK_S
-        ):
+        )
+        held = lock.acquire()  # False: its holder outlived FINISH_LOCK_S twice; go on
+        try:
             self._finish_success(job, queue, started_job_registry, execution)
+        finally:
+            if held:
+                try:
+                    lock.release()
+                except LockError:  # it expired while Redis was waited for: not ours now
+                    log.info("job %s: its finishing lock expired before it was released", job.id)
 
     def _finish_success(self, job: Job, queue, started_job_registry, execution) -> None:
         for attempt in (1, 2):
