@@ -75,6 +75,7 @@ class Evidence:
 
     #: seconds a token of the newest counted steps, oldest first (`median`)
     recent: deque = field(default_factory=lambda: deque(maxlen=GUARD_MEDIAN_OF))
+    _robust: tuple[float, float] | None = field(default=None, repr=False)  # (`robust`)
 
     def add(self, now: int, seconds: float, tokens: int) -> None:
         self.steps += 1
@@ -82,6 +83,7 @@ class Evidence:
         if self.steps <= GUARD_SKIP:  # a shape's first passes in a process run slow
             return
         self.recent.append(seconds / tokens)
+        self._robust = None
         decay = GUARD_DECAY ** (now - self.last_kept) if self.tokens else 0.0
         self.seconds = self.seconds * decay + seconds
         self.tokens = self.tokens * decay + tokens
@@ -108,10 +110,15 @@ class Evidence:
         steps = self.weight * self.weight / self.weight2
         return math.sqrt(max(spread, 0.0) / (steps - 1)) / (self.tokens / self.weight)
 
-    @property
-    def median(self) -> float:
-        """The median seconds a token of the newest GUARD_MEDIAN_OF counted steps."""
-        return statistics.median(self.recent) if self.recent else 0.0
+    def robust(self) -> tuple[float, float]:
+        """(the median seconds a token of the newest GUARD_MEDIAN_OF counted steps, its
+        standard error from their spread about it), worked out once per new step: the
+        guard asks on every step it judges, and steps are added far less often."""
+        if self._robust is None:
+            median = statistics.median(self.recent) if self.recent else 0.0
+            spread = statistics.median(abs(x - median) for x in self.recent) if self.recent else 0.0
+            self._robust = (median, 1.2533 * 1.4826 * spread / math.sqrt(max(len(self.recent), 1)))
+        return self._robust
 
 
 @dataclass
@@ -168,10 +175,10 @@ class Realized:
         """(`plain`, its standard error: the decayed mean's, or the median's from the
         spread of the newest steps about it)."""
         ev = self.plain_ev
-        if len(ev.recent) >= GUARD_MIN_PLAIN and ev.median < ev.per_token:
-            median = ev.median
-            spread = statistics.median(abs(x - median) for x in ev.recent) * 1.4826
-            return median, 1.2533 * spread / math.sqrt(len(ev.recent))
+        if len(ev.recent) >= GUARD_MIN_PLAIN:
+            median, error = ev.robust()
+            if median < ev.per_token:
+                return median, error
         return ev.per_token, ev.error
 
     @property
