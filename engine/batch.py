@@ -145,7 +145,7 @@ class BatchDecoder(Decoder):
         t0 = time.perf_counter()
         self.t_rows.append(rows)
         self.rows += [row for row, _ in joining]
-        self.policy.rows_changed()
+        self.policy.rows_changed(joined=True)
         return time.perf_counter() - t0
 
     def remove(self, key) -> None:

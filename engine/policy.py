@@ -247,10 +247,14 @@ class DraftPolicy:
         self._lookups: list = []  # this epoch's lookup indexes of greedy "auto" lookup rows
         self._probing = False  # the step being chosen is a probe
 
-    def rows_changed(self) -> None:
-        """Rows joined or left: a reused K = 0 decision no longer holds."""
+    def rows_changed(self, joined: bool = False) -> None:
+        """Rows joined or left: a reused K = 0 decision no longer holds. `joined`: rows
+        joined at the start of the step about to be chosen, which is then no plain check
+        (the guard hears no step that admitted rows, see `DraftController.joining`)."""
         self._epoch = next(_EPOCHS)
         self._mix = None
+        if joined and self.controller is not None:
+            self.controller.joining()
 
     def choose(self, rows: list) -> list[Choice]:
         """Every row's draft this step (a lookup proposal's tokens included)."""

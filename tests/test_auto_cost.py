@@ -110,6 +110,49 @@ def test_no_plain_check_runs_on_the_first_steps_after_rows_joined():
     assert ctl.choose_batch_k(_rows(4), [], 4) > 0
 
 
+def test_the_step_rows_join_on_is_no_plain_check():
+    # The guard hears no step that admitted rows, so a plain check chosen on the join step
+    # itself was no evidence: that step ran plain for nothing and the check was asked
+    # again (measured at 4 demo rows: a plain join step at every join of a drafting run).
+    # The decoder says rows join before the step is chosen. (Mutation: `joining` a no-op
+    # -> the check runs on the join step.)
+    def due() -> DraftController:  # a controller whose plain check is due now
+        ctl = _optimist()
+        for _ in range(PLAIN_SETTLE + 1):
+            ctl.observe_realized(4, 0.012, 12, True)
+        return ctl
+
+    assert due().choose_batch_k(_rows(4), [], 4) == 0  # no join: the check runs
+    ctl = due()
+    ctl.joining()
+    assert ctl.choose_batch_k(_rows(4), [], 4) > 0  # the join step drafts
+    ctl.observe_realized(4, 0.0, 0, False, evidence=False, joined=True)
+    for _ in range(PLAIN_SETTLE):
+        assert ctl.choose_batch_k(_rows(4), [], 4) > 0
+        ctl.observe_realized(4, 0.012, 12, True)
+    assert ctl.choose_batch_k(_rows(4), [], 4) == 0  # then the check, at once
+
+
+def test_the_decoder_tells_the_controller_of_a_join_before_the_step_is_chosen(monkeypatch):
+    # (Mutation: _admit_joining calls rows_changed() without joined -> no joining().)
+    pair = engine.load_pair(calibrate=False)
+    dec = batch.BatchDecoder(pair)
+    ctl = dec.policy.controller
+    seen = []
+    monkeypatch.setattr(ctl, "joining", lambda: seen.append(("join", ctl.now)))
+    choose = ctl.choose_batch_k
+    monkeypatch.setattr(
+        ctl, "choose_batch_k", lambda *a, **k: seen.append(("choose", ctl.now)) or choose(*a, **k)
+    )
+    dec.add(0, pair.tokenizer.encode("def f(x):"), SamplingParams(0.0), seed=0,
+            drafter="model", num_draft_tokens="auto", max_tokens=4,
+            plan=pair.controller.plan("model", True))  # fmt: skip
+    dec.step()
+    dec.step()
+    assert seen[0] == ("join", 0) and seen[1] == ("choose", 0)
+    assert [e for e, _ in seen].count("join") == 1
+
+
 def test_a_batch_size_met_only_now_and_then_is_not_checked_plain_on_every_visit():
     # The last rows of every batch of work run a few steps at a small batch size. Plain
     # checks are spaced in steps at that size, so once its intervals have grown they come
@@ -248,6 +291,41 @@ def test_draft_work_is_priced_per_depth_not_as_depth_times_an_average_pass():
     assert ctl._draft_seconds(4, 5) == pytest.approx(0.0042, rel=0.05)
     # Rows never timed take the nearest rows' figures, scaled by the curve.
     assert ctl._draft_seconds(5, 1) == pytest.approx(0.0018, rel=0.05)
+
+
+def test_a_draft_depth_deeper_than_any_timed_is_priced_at_the_slope_of_all_timed():
+    # Deep K runs rarely, so its figures are few and noisy: two of them a pass apart once
+    # gave a slope of a quarter pass, K = 8 was priced at 3.99 ms of drafts where it ran at
+    # ~5.5, and "auto" chose it as the best K (measured at 4 demo rows: K = 7-8 steps ran
+    # at 0.8 of plain's speed). A depth past the deepest timed takes the least-squares
+    # slope of every depth timed; one between two timed lies on the line through them.
+    # (Mutation: the line through the two nearest depths -> depth 8 at 5.2 ms.)
+    ctl = DraftController(
+        PassCosts({1: 0.004, 64: 0.012}),
+        PassCosts({1: 0.001, 4: 0.001}),
+        static_costs(100, 10, False),
+    )
+    ctl.live_draft[4] = {1: 1.4, 2: 2.4, 3: 3.4, 4: 4.6, 5: 4.8}  # ~1 a pass; 4-5 noisy
+    assert ctl._draft_seconds(4, 8) == pytest.approx(0.001 * (4.8 + 3 * 0.9), rel=0.01)
+    assert ctl._draft_seconds(4, 8) > ctl._draft_seconds(4, 5) + 0.0025
+    ctl.live_draft[4] = {1: 1.4, 4: 4.4}
+    assert ctl._draft_seconds(4, 2) == pytest.approx(0.0024, rel=0.01)  # between: the line
+    assert ctl._draft_seconds(4, 6) == pytest.approx(0.0064, rel=0.01)
+
+
+def test_a_verify_width_not_yet_run_at_a_batch_size_takes_the_share_of_the_nearest_run():
+    # Verify passes 2-6 wide at 4 demo rows ran 1.25-1.65x the plain pass's factor; width
+    # 9, never run there, was priced at the plain factor and looked cheaper than width 6
+    # (the step prices' floor hid it only up to width 6's price). (Mutation: no nearest
+    # width -> width 9 at the plain factor, under width 6's price.)
+    ctl = _optimist()
+    ctl.live_target[(4, 1)] = 1.0
+    ctl.live_relative[(4, 2)] = 1.2
+    ctl.live_relative[(4, 6)] = 1.5
+    curve = ctl.target._curve
+    assert ctl._target_pass(4, 9) == pytest.approx(curve(36) * 1.5)
+    assert ctl._target_pass(4, 3) == pytest.approx(curve(12) * 1.2)
+    assert ctl._target_pass(4, 9) > ctl._target_pass(4, 6)
 
 
 def test_finish_steps_spread_with_the_variance_of_tokens_a_step():
