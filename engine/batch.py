@@ -113,12 +113,21 @@ class BatchDecoder(Decoder):
             row.lookup = LookupIndex(list(prompt_ids), min_ngram=HYBRID_MIN_NGRAM)
         self._joining.append((row, list(prompt_ids)))
 
-    def _admit_joining(self) -> float:
-        """Prefill the joining rows and join them to the batch; returns the seconds of the
-        join itself (the copy of the caches), not of the work each joining row costs once
-        however rows join (its prefill; a DFlash drafter reading its context: ~50 ms a
-        row at 100M, priced as a change it kept 4 equal rows from drafting)."""
+    def _admit_joining(self) -> tuple[float, int]:
+        """Prefill the joining rows and join them to the batch, in the places of rows
+        leaving where they fit (`RaggedRows.place`: only their own positions are written),
+        else after the others (the rows left first). Returns the seconds of the join
+        itself (the rows leaving and the copies of the caches) and how many changes of rows
+        it made, not of the work each joining row costs once however rows join (its
+        prefill; a DFlash drafter reading its context: ~50 ms a row at 100M, priced as a
+        change it kept 4 equal rows from drafting)."""
         joining, self._joining = self._joining, []
+        leaving, self._leaving = self._leaving, set()
+        seconds = 0.0
+        if leaving and self.proposer is not None:
+            t0 = time.perf_counter()
+            self.proposer.remove(leaving)  # (before admit: a key may leave and join again)
+            seconds += time.perf_counter() - t0
         prompts = [ids[:-1] for _, ids in joining]
         context = None
         if self.proposer is not None and self.proposer.needs_features:
@@ -143,10 +152,26 @@ class BatchDecoder(Decoder):
                 context,
             )
         t0 = time.perf_counter()
-        self.t_rows.append(rows)
-        self.rows += [row for row, _ in joining]
+        slots = [i for i, r in enumerate(self.rows) if r.key in leaving]
+        placed = context is None and 0 < len(joining) <= len(slots) and self.t_rows.can_place(rows)
+        changes = 0
+        if placed:
+            self.t_rows.place(slots[: len(joining)], rows)
+            for i, (row, _) in zip(slots, joining, strict=False):
+                self.rows[i] = row
+            slots, changes = slots[len(joining) :], 1
+        if slots:  # rows leaving that no joining row took the place of
+            gone = set(slots)
+            keep = [i for i in range(len(self.rows)) if i not in gone]
+            self.t_rows.select(keep)
+            self.rows = [self.rows[i] for i in keep]
+            changes += 1
+        if not placed:
+            self.t_rows.append(rows)
+            self.rows += [row for row, _ in joining]
+            changes += 1
         self.policy.rows_changed(joined=True)
-        return time.perf_counter() - t0
+        return seconds + time.perf_counter() - t0, changes
 
     def remove(self, key) -> None:
         """Drop a finished (or cancelled) row: at once if it has not joined yet, else at
@@ -174,11 +199,11 @@ class BatchDecoder(Decoder):
         """One draft + verify step for every row: {row key: Step}."""
         start = time.perf_counter()
         churn_s, events = 0.0, 0
-        if self._leaving:
-            churn_s, events = self._drop_leaving(), 1
         joined = bool(self._joining)
         if joined:
-            churn_s, events = churn_s + self._admit_joining(), events + 1
+            churn_s, events = self._admit_joining()
+        elif self._leaving:
+            churn_s, events = self._drop_leaving(), 1
         if not self.rows:
             return {}
         # The target never rolls back past this step (advance keeps only what passed), so

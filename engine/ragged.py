@@ -179,6 +179,35 @@ class RaggedRows:
         self.checkpoint()  # the joined rows have no common past to roll back into
         self.evaluate()
 
+    def can_place(self, other: RaggedRows) -> bool:
+        """Whether `place` can put the rows of `other` into rows of this cache: no longer
+        than this cache, and every layer of a kind that writes a row in place."""
+        return (
+            0 < self.length
+            and other.length <= self.length
+            and len(other.layers) == len(self.layers)
+            and all(getattr(layer, "placeable", False) for layer in self.layers)
+        )
+
+    def place(self, slots: list[int], other: RaggedRows) -> None:
+        """Put the rows of `other` (a fresh prefill) into rows `slots` of this cache, in
+        place of the rows there (which leave): each new row's positions end where this
+        cache's do, the slots before them hold nothing real. Only those rows' positions
+        are written, where `select` then `append` copied every layer's whole cache twice
+        and the next pass grew it a third time (measured at 4 demo rows: 1.0 + 1.0 + ~1
+        ms a row that left and one that joined, against ~0.15 ms; the draft model's
+        cache too). Needs `can_place(other)`."""
+        pad = self.length - other.length
+        at = mx.array(slots, dtype=mx.int32)
+        fresh = mx.concatenate([mx.zeros((other.batch, pad), dtype=mx.bool_), other.valid], axis=1)
+        self.valid[at] = fresh
+        self.offset[at] = other.offset
+        for mine, theirs in zip(self.layers, other.layers, strict=True):
+            mine.place(slots, theirs, pad)
+        self.checkpoint()  # the placed rows have no past in this cache to roll back into
+        self.drop_dead_head()  # the rows that left may have held the oldest positions
+        self.evaluate()
+
     def evaluate(self) -> None:
         """Compute the rows' arrays now. Rows joining, leaving or compacting copy every
         layer's state lazily; left lazy, that copy would run inside the next forward
@@ -323,6 +352,19 @@ class RaggedLayerCache(MaskedLayer):
     def select(self, idx: mx.array) -> None:
         if self.keys is not None:
             self.keys, self.values = self.keys[idx], self.values[idx]
+
+    #: `place` writes rows in place (RaggedRows.can_place).
+    placeable = True
+
+    def place(self, slots: list[int], other: RaggedLayerCache, pad: int) -> None:
+        """Write row j of `other` into row slots[j], its positions from `pad` on (what
+        is before them is masked: RaggedRows.place marks it not real)."""
+        if other.keys is None or self.keys is None:
+            return  # (prompts of one token: nothing prefilled, nothing to write)
+        n = other.rows.length
+        for j, slot in enumerate(slots):
+            self.keys[slot : slot + 1, :, pad : pad + n, :] = other.keys[j : j + 1, :, :n, :]
+            self.values[slot : slot + 1, :, pad : pad + n, :] = other.values[j : j + 1, :, :n, :]
 
     def shift(self, start: int) -> None:
         if self.keys is not None:

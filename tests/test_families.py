@@ -77,6 +77,26 @@ def test_batched_greedy_equals_target_only(family, max_batch):
         assert all(len(r.prompt_ids) + len(refs[i]) > 2 * WINDOW for i, r in enumerate(requests))
 
 
+def test_rows_joining_where_rows_left_take_their_places_exactly(family, monkeypatch):
+    # A row that joins on the step another leaves is written into the leaving row's place
+    # (RaggedRows.place: only its own positions), where every layer is an attention
+    # cache; recurrent layers join after the others. (Mutations: place writing the new
+    # row from position 0, not right-aligned -> outputs differ; can_place always False
+    # -> no place.)
+    from engine import ragged
+
+    name, pair, requests, refs = family
+    placed = []
+    place = ragged.RaggedRows.place
+    monkeypatch.setattr(
+        ragged.RaggedRows, "place", lambda self, *a: placed.append(a[0]) or place(self, *a)
+    )
+    got = dict(engine.generate_many(pair, requests, max_batch=3))
+    assert {i: r.token_ids for i, r in got.items()} == dict(enumerate(refs))
+    recurrent = name in ("qwen3_5", "lfm2", "qwen3_5_4bit")
+    assert bool(placed) != recurrent
+
+
 def test_single_greedy_equals_target_only(family):
     name, pair, requests, refs = family
     assert [engine.generate(pair, r).token_ids for r in requests] == refs
@@ -162,6 +182,37 @@ def test_rows_joining_and_leaving_keep_recurrent_state(tmp_path):
     rows.select([1])
     got = model(mx.array([[11]]), cache=cache)[0, -1]
     assert mx.allclose(got, _reference_logits(model, [6, 2, 8, 11]), atol=1e-4).item()
+
+
+@pytest.mark.parametrize("family_name", ["llama", "gemma3_text"])
+def test_a_row_placed_where_a_row_left_reads_as_if_alone(tmp_path, family_name):
+    """Rows with holes (rejected drafts); one leaves and a fresh prefill takes its place,
+    shorter than the cache: every row's next logits equal mlx-lm's cache fed only that
+    row's kept tokens, past a sliding window too."""
+    model = _model(tmp_path, family_name)
+    rows, cache = make_ragged_cache(model, 3)
+    kept = [[5, 9, 13, 7], [6, 2, 8, 1], [40, 41, 42, 43]]
+    model(mx.array(kept), cache=cache)
+    rows.advance(4, [4, 4, 4])
+    for t in range(50, 50 + WINDOW):  # rows keep 1, 2 and 3 of each block of 3
+        model(mx.array([[t, t + 1, t + 2]] * 3), cache=cache)
+        rows.advance(3, [1, 2, 3])
+        kept = [k + [t, t + 1, t + 2][:n] for k, n in zip(kept, (1, 2, 3), strict=True)]
+    fresh_rows, fresh = make_ragged_cache(model, 1)
+    prompt = [7, 7, 3, 30, 31]
+    model(mx.array([prompt]), cache=fresh)
+    fresh_rows.advance(len(prompt), [len(prompt)])
+    assert rows.can_place(fresh_rows)
+    rows.place([1], fresh_rows)
+    kept[1] = prompt
+    for step in range(2):
+        nxt = [[20 + step], [21 + step], [22 + step]]
+        got = model(mx.array(nxt), cache=cache)[:, -1]
+        rows.advance(1, [1, 1, 1])
+        for i, k in enumerate(kept):
+            want = _reference_logits(model, k + nxt[i])
+            assert mx.allclose(got[i], want, atol=1e-4).item(), f"row {i}, step {step}"
+        kept = [k + n for k, n in zip(kept, nxt, strict=True)]
 
 
 def test_sliding_window_mask_counts_true_positions_not_slots(tmp_path, monkeypatch):
