@@ -124,6 +124,11 @@ EXPLORE_EVERY, EXPLORE_GAP = 64, 16
 #: A drafting shape's price relative to the plain pass (adaptive.live_relative) is
 #: learnt only from steps within this many steps of a live plain step at that batch size.
 RELATIVE_FRESH = 64
+#: Where every row of a batch size drafts by the draft model, a step's draft and verify
+#: seconds are fitted against its depth (adaptive.DepthFit), each step decaying the older
+#: by FIT_DECAY; the line prices every K there once FIT_DEPTHS depths have run with at
+#: least FIT_WEIGHT decayed steps each.
+FIT_DECAY, FIT_DEPTHS, FIT_WEIGHT = 0.98, 2, 2.0
 #: Steps a K = 0 decision is reused unpriced while the batch summary stays the same
 #: (pricing costs about a tenth of a small model's decode step).
 SETTLED_STEPS = 16

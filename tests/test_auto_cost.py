@@ -328,6 +328,34 @@ def test_a_verify_width_not_yet_run_at_a_batch_size_takes_the_share_of_the_neare
     assert ctl._target_pass(4, 9) > ctl._target_pass(4, 6)
 
 
+def test_a_line_through_every_depth_run_prices_the_steps_where_every_row_drafts():
+    # Shape prices kept apart moved a step a sample at different moments of a noisy
+    # machine, and "auto" took the K whose price was low by chance (measured at 4 demo
+    # rows: K = 5 on 98 steps of 275, at 0.78-0.88 of plain where K = 2 read 1.00-1.04).
+    # Where every row drafts, a step's seconds are fitted against its depth over every
+    # step measured. (Mutations: the fit not used -> K = 5 at its stale cheap price; the
+    # fit's slope 0 -> every K at the mean step.)
+    fit = adaptive.DepthFit()
+    rng = random.Random(3)
+    for _ in range(200):
+        k = rng.choice([2, 3, 4])
+        fit.add(k, 0.004 + 0.0012 * k + rng.gauss(0, 0.0004))
+    assert fit.ready()
+    assert fit(6) == pytest.approx(0.0112, rel=0.05)
+    assert fit(1) == pytest.approx(0.0052, rel=0.08)
+    ctl = _optimist()
+    for _ in range(3):
+        ctl.observe_step(4, 1, 0.003, 0, 0, 0.0)
+    for k in (2, 3) * 6:  # (the first step of each shape prices nothing)
+        ctl.observe_step(4, k + 1, 0.002 + 0.0005 * k, k, 4, 0.002 + 0.0007 * k)
+    ctl.live_relative[(4, 6)] = 0.5  # a stale, cheap K = 5
+    ctl.live_draft[4][5] = 0.1
+    prices = ctl._step_prices(4, 4, 0, 0, 8, 8, 9)
+    line = [0.004 + 0.0012 * k + ctl._overhead(4, True) for k in range(9)]
+    assert prices[1:] == pytest.approx(line[1:], rel=0.02)
+    assert prices[5] > prices[3]
+
+
 def test_finish_steps_spread_with_the_variance_of_tokens_a_step():
     # Rows in step finish on one step when each emits the same count every step, on up to
     # a step a row as the count varies more. (Mutations: the spread not capped at the
