@@ -356,6 +356,24 @@ def test_a_line_through_every_depth_run_prices_the_steps_where_every_row_drafts(
     assert prices[5] > prices[3]
 
 
+def test_a_stretch_of_slow_plain_steps_does_not_set_the_plain_price():
+    # Drafting's steps are priced from a line over many (DepthFit); a plain price moved a
+    # LIVE_EMA step by each plain step was lifted by a load burst, and every K looked
+    # 20-25% better than plain (measured at 4 demo rows: plain priced 3.91 ms where its
+    # steps ran 3.0-3.3). The plain pass is priced at the median of its newest steps.
+    # (Mutation: no median -> the EMA after three slow steps, 1.5x.)
+    ctl = _optimist()
+    for _ in range(8):
+        ctl.observe_step(4, 1, 0.003, 0, 0, 0.0)
+    before = ctl._target_pass(4, 1)
+    for _ in range(3):
+        ctl.observe_step(4, 1, 0.0055, 0, 0, 0.0)
+    assert ctl._target_pass(4, 1) == pytest.approx(before, rel=0.02)
+    for _ in range(4):  # a machine that stays slower is heard
+        ctl.observe_step(4, 1, 0.0055, 0, 0, 0.0)
+    assert ctl._target_pass(4, 1) == pytest.approx(before * 5.5 / 3, rel=0.02)
+
+
 def test_finish_steps_spread_with_the_variance_of_tokens_a_step():
     # Rows in step finish on one step when each emits the same count every step, on up to
     # a step a row as the count varies more. (Mutations: the spread not capped at the
