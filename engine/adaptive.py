@@ -1169,7 +1169,9 @@ class DraftController:
         if width > 1 and live and fresh:
             # Against a plain pass timed at about the same context only (see live_relative).
             _ema(self.live_relative, (rows, width), factor / plain, lambda: prior / plain)
-        if depth and drafted_rows == rows and width == depth + 1 and not self.block:
+        if depth and drafted_rows == rows and width == depth + 1 and draft_s > 0 and not self.block:
+            # (A step whose draft seconds are no sample, 0: its first pass also read a
+            # backlog, `policy.DraftPolicy.observe`, is none of the line's either.)
             self.fits.setdefault(rows, DepthFit()).add(depth, verify_s + draft_s)
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
             depth = 1 if self.block else depth
