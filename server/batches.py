@@ -215,8 +215,11 @@ class BatchService:
             pipe.hset(self.keys.api_batch(batch_id), mapping=record)
             pipe.zadd(self.keys.api_batches, {batch_id: now})
             pipe.execute()
+        # The batch as created: read before validation starts, which may finish (a small
+        # bad file) before this reply is built (seen in CI: the reply said "failed").
+        created = self.retrieve(batch_id)
         self._validate_in_background(batch_id)
-        return self.retrieve(batch_id)
+        return created
 
     def _validate_in_background(self, batch_id: str) -> None:
         thread = threading.Thread(

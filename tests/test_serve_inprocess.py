@@ -74,6 +74,29 @@ def test_a_batch_past_its_completion_window_expires_and_its_lines_are_cancelled(
         assert batch["output_file_id"] is None
 
 
+def test_a_batch_is_created_validating_however_fast_its_validation_ends(api, monkeypatch):
+    # A small bad file can fail validation before the reply to POST /v1/batches is built
+    # (seen in CI, under load: the reply said "failed"). Validation here runs to its end
+    # inside `create`, the fastest it could be. (Mutation: the reply read after
+    # validation starts -> "failed".)
+    monkeypatch.setattr(
+        BatchService, "_validate_in_background", lambda self, batch_id: self._validate(batch_id)
+    )
+    with api() as client:
+        file_id = _upload(client, "{not json\n")
+        created = client.post(
+            "/v1/batches",
+            json={
+                "input_file_id": file_id,
+                "endpoint": "/v1/chat/completions",
+                "completion_window": "24h",
+            },
+        )
+        assert created.status_code == 200, created.text
+        assert created.json()["status"] == "validating"
+        assert client.get(f"/v1/batches/{created.json()['id']}").json()["status"] == "failed"
+
+
 def test_skip_invalid_runs_the_valid_lines_and_the_bad_ones_are_error_lines(api, redis_env):
     with api(skip_invalid=True) as client:
         text = "\n".join([_line("ok"), _line("bad", temperature=-1), "[1]"]) + "\n"
