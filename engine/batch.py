@@ -162,9 +162,7 @@ class BatchDecoder(Decoder):
             slots, changes = slots[len(joining) :], 1
         if slots:  # rows leaving that no joining row took the place of
             gone = set(slots)
-            keep = [i for i in range(len(self.rows)) if i not in gone]
-            self.t_rows.select(keep)
-            self.rows = [self.rows[i] for i in keep]
+            self._keep([i for i in range(len(self.rows)) if i not in gone])
             changes += 1
         if not placed:
             self.t_rows.append(rows)
@@ -186,13 +184,16 @@ class BatchDecoder(Decoder):
         """Take the removed rows out of the caches; returns the seconds it took."""
         t0 = time.perf_counter()
         leaving, self._leaving = self._leaving, set()
-        keep = [i for i, r in enumerate(self.rows) if r.key not in leaving]
-        self.t_rows.select(keep)
-        self.rows = [self.rows[i] for i in keep]
+        self._keep([i for i, r in enumerate(self.rows) if r.key not in leaving])
         if self.proposer is not None:
             self.proposer.remove(leaving)
         self.policy.rows_changed()
         return time.perf_counter() - t0
+
+    def _keep(self, keep: list[int]) -> None:
+        """Keep only these rows (indexes into `rows`), in the target's caches too."""
+        self.t_rows.select(keep)
+        self.rows = [self.rows[i] for i in keep]
 
     # -- one step ------------------------------------------------------------------
     def step(self) -> dict:

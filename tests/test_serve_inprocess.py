@@ -44,6 +44,18 @@ def _upload(client: TestClient, text: str) -> str:
     return got.json()["id"]
 
 
+def _create(client: TestClient, file_id: str, window: str = "24h"):
+    """POST /v1/batches for an uploaded file (chat completions); the raw response."""
+    return client.post(
+        "/v1/batches",
+        json={
+            "input_file_id": file_id,
+            "endpoint": "/v1/chat/completions",
+            "completion_window": window,
+        },
+    )
+
+
 def _wait(client: TestClient, batch_id: str, done, timeout: float = 30) -> dict:
     deadline = time.monotonic() + timeout
     while not done(batch := client.get(f"/v1/batches/{batch_id}").json()):
@@ -55,14 +67,7 @@ def _wait(client: TestClient, batch_id: str, done, timeout: float = 30) -> dict:
 def test_a_batch_past_its_completion_window_expires_and_its_lines_are_cancelled(api):
     with api() as client:
         file_id = _upload(client, "\n".join(_line(f"x{i}") for i in range(3)) + "\n")
-        created = client.post(
-            "/v1/batches",
-            json={
-                "input_file_id": file_id,
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "2s",
-            },
-        ).json()
+        created = _create(client, file_id, "2s").json()
         assert created["expires_at"] - created["created_at"] in (2, 3)
         running = _wait(client, created["id"], lambda b: b["status"] != "validating")
         assert running["status"] == "in_progress"
@@ -84,14 +89,7 @@ def test_a_batch_is_created_validating_however_fast_its_validation_ends(api, mon
     )
     with api() as client:
         file_id = _upload(client, "{not json\n")
-        created = client.post(
-            "/v1/batches",
-            json={
-                "input_file_id": file_id,
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        )
+        created = _create(client, file_id)
         assert created.status_code == 200, created.text
         assert created.json()["status"] == "validating"
         assert client.get(f"/v1/batches/{created.json()['id']}").json()["status"] == "failed"
@@ -101,14 +99,7 @@ def test_skip_invalid_runs_the_valid_lines_and_the_bad_ones_are_error_lines(api,
     with api(skip_invalid=True) as client:
         text = "\n".join([_line("ok"), _line("bad", temperature=-1), "[1]"]) + "\n"
         file_id = _upload(client, text)
-        created = client.post(
-            "/v1/batches",
-            json={
-                "input_file_id": file_id,
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        ).json()
+        created = _create(client, file_id).json()
         batch = _wait(client, created["id"], lambda b: b["status"] != "validating")
         assert batch["status"] == "in_progress" and batch["errors"] is None
         assert batch["request_counts"] == {"total": 3, "completed": 0, "failed": 2}
@@ -199,14 +190,7 @@ def test_a_batch_gone_from_redis_is_gone_from_the_api(api, redis_env, monkeypatc
     keys = redis_env.keys
     with api() as client:
         file_id = _upload(client, _line("a") + "\n")
-        created = client.post(
-            "/v1/batches",
-            json={
-                "input_file_id": file_id,
-                "endpoint": "/v1/chat/completions",
-                "completion_window": "24h",
-            },
-        ).json()
+        created = _create(client, file_id).json()
         _wait(client, created["id"], lambda b: b["status"] != "validating")
         assert 0 < redis_env.conn.ttl(keys.api_batch(created["id"])) <= 100
         # What the result TTL does to the batch's own keys (the workers renew those).
