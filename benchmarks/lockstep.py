@@ -15,6 +15,14 @@ of tokens/s against the first "none", with the range, and the control's ratio be
 Also prints the median seconds of a step that drafted nothing, auto's against plain's
 (the fixed cost "auto" adds to a step it does not speculate on), and whether every
 contender's greedy output equals plain decoding's (lossless), per run.
+
+    python benchmarks/lockstep.py --pairs demo --sizes 4 --per-run 4 --ks 1,2,3 --kinds
+
+`--ks` sets the fixed K contenders (default 1,2). `--kinds` also prints, per contender, its
+steps by kind, median over runs: full (every row in, none joining), join (rows joined:
+their prefill is in it) and thin (fewer rows than the batch: the last rows of a run),
+each as steps / ms. That splits a contender's time into what its draft length buys on
+full steps and what its rows parting costs in joins of one row and in the thin tail.
 """
 
 from __future__ import annotations
@@ -40,8 +48,13 @@ import batched_auto  # noqa: E402
 import pairs  # noqa: E402
 import prompts as prompt_sets  # noqa: E402
 
-CONTENDERS = (("none", "none", 1), ("auto", "model", "auto"), ("K=1", "model", 1))
-CONTENDERS += (("K=2", "model", 2), ("control", "none", 1))
+KINDS = ("full", "join", "thin")
+
+
+def contenders(ks=(1, 2)) -> tuple:
+    """(name, drafter, num_draft_tokens): plain, "auto", a fixed K each, the control."""
+    fixed = tuple((f"K={k}", "model", k) for k in ks)
+    return (("none", "none", 1), ("auto", "model", "auto"), *fixed, ("control", "none", 1))
 
 
 class Lane:
@@ -56,10 +69,12 @@ class Lane:
         self.seconds = 0.0
         self.plain_steps: list[float] = []  # seconds of steps where no row drafted
         self.outputs: dict[int, list[int]] = {}  # request index -> its tokens
+        self.kinds = {kind: [0, 0.0] for kind in KINDS}  # kind -> [steps, seconds]
         self.done = False
 
     def step(self) -> None:
         t0 = time.perf_counter()
+        before = len(self.runs)
         while len(self.runs) < self.max_batch:
             item = next(self.waiting, None)
             if item is None:
@@ -80,6 +95,7 @@ class Lane:
             self.done = True
             return
         joining = bool(self.decoder._joining)
+        kind = "join" if joining else "full" if before == self.max_batch else "thin"
         t1 = time.perf_counter()
         steps = self.decoder.step()
         t2 = time.perf_counter()
@@ -92,7 +108,10 @@ class Lane:
                 self.decoder.remove(i)
                 self.outputs[i] = self.runs.pop(i).out
                 self.tokens += len(self.outputs[i])
-        self.seconds += time.perf_counter() - t0
+        took = time.perf_counter() - t0
+        self.seconds += took
+        self.kinds[kind][0] += 1
+        self.kinds[kind][1] += took
         self.steps += 1
         self.row_steps += len(steps)
         self.drafted += proposed
@@ -130,15 +149,17 @@ def requests_for(ids_list, drafter, k, max_tokens):
     ]
 
 
-def cell(pair, ids_list, batch: int, runs: int, max_tokens: int) -> dict:
-    """Ratios against "none" per run, drafts per row-step, plain-step seconds."""
-    pairs_by = {name: own_pair(pair) for name, _, _ in CONTENDERS}
-    out = {name: {"ratio": [], "tps": [], "drafts": [], "plain_s": []} for name, _, _ in CONTENDERS}
+def cell(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=(1, 2)) -> dict:
+    """Ratios against "none" per run, drafts per row-step, plain-step seconds, steps by
+    kind."""
+    field = ("ratio", "tps", "drafts", "plain_s", "kinds")
+    pairs_by = {name: own_pair(pair) for name, _, _ in contenders(ks)}
+    out = {name: {f: [] for f in field} for name, _, _ in contenders(ks)}
     out["lossless"] = [0, 0]  # contender runs whose outputs all equal plain's, of all
     for r in range(runs + 1):  # run 0 warms every contender up, untimed
         lanes = {
             name: Lane(pairs_by[name], requests_for(ids_list, d, k, max_tokens), batch)
-            for name, d, k in CONTENDERS
+            for name, d, k in contenders(ks)
         }
         lockstep(lanes, seed=r)
         for lane in lanes.values():  # greedy: every contender gives plain's tokens
@@ -153,6 +174,7 @@ def cell(pair, ids_list, batch: int, runs: int, max_tokens: int) -> dict:
             out[name]["ratio"].append(tps / base)
             out[name]["drafts"].append(lane.drafted / max(lane.row_steps, 1))
             out[name]["plain_s"] += lane.plain_steps
+            out[name]["kinds"].append(lane.kinds)
     return out
 
 
@@ -164,12 +186,16 @@ def main(argv=None) -> int:
     ap.add_argument("--per-run", type=int, default=2, help="requests per run, times batch")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--params", type=int, default=100_000_000, help="widened target size")
+    ap.add_argument("--ks", default="1,2", help="fixed K contenders")
+    ap.add_argument("--kinds", action="store_true", help="also print steps by kind")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cache", type=Path, default=pairs.CACHE)
     args = ap.parse_args(argv)
     if args.quick:
         args.sizes, args.runs, args.max_tokens, args.params = "1,4", 1, 12, 6_000_000
     sizes = [int(s) for s in args.sizes.split(",")]
+    ks = [int(k) for k in args.ks.split(",")]
+    fixed = [f"K={k}" for k in ks]
     demo = engine.load_pair(DEMO_TARGET, DEMO_DRAFT)
     prompts = [ids for _, ids in prompt_sets.code_prompts(demo.tokenizer, 16, 48)]
     print(
@@ -177,11 +203,13 @@ def main(argv=None) -> int:
         f"new tokens, greedy; {demo.info()['blas']}"
     )
     print(
-        "| pair | batch | none tok/s | control / none | auto / none | K=1 / none "
-        "| K=2 / none | auto drafts per row-step | auto / plain step, nothing drafted "
+        "| pair | batch | none tok/s | control / none | auto / none | "
+        + "".join(f"{c} / none | " for c in fixed)
+        + "auto drafts per row-step | auto / plain step, nothing drafted "
         "| outputs equal to plain |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * (8 + len(fixed)) + "|")
+    kinds_rows = []
     for name in args.pairs.split(","):
         if name == "demo":
             pair = demo
@@ -196,7 +224,7 @@ def main(argv=None) -> int:
         for b in sizes:
             n = b * args.per_run
             ids_list = (prompts * n)[:n]
-            got = cell(pair, ids_list, b, args.runs, args.max_tokens)
+            got = cell(pair, ids_list, b, args.runs, args.max_tokens, ks)
 
             def show(c, got=got):
                 r = got[c]["ratio"]
@@ -212,12 +240,32 @@ def main(argv=None) -> int:
             )
             print(
                 f"| {name} | {b} | {statistics.median(got['none']['tps']):.0f} | "
-                f"{show('control')} | {show('auto')} | {show('K=1')} | {show('K=2')} | "
-                f"{statistics.median(got['auto']['drafts']):.2f} | {step} | "
+                f"{show('control')} | {show('auto')} | "
+                + "".join(f"{show(c)} | " for c in fixed)
+                + f"{statistics.median(got['auto']['drafts']):.2f} | {step} | "
                 f"{got['lossless'][0]}/{got['lossless'][1]} |",
                 flush=True,
             )
+            kinds_rows.append((name, b, got))
+    if args.kinds:
+        print_kinds(kinds_rows, ["none", "auto", *fixed])
     return 0
+
+
+def print_kinds(rows, names) -> None:
+    """Each contender's steps by kind (KINDS), median over runs: steps / ms."""
+    print("\n| pair | batch | contender | " + " | ".join(KINDS) + " | all ms |")
+    print("|---" * (4 + len(KINDS)) + "|")
+    for pair_name, b, got in rows:
+        for name in names:
+            runs = got[name]["kinds"]
+            cells = []
+            for kind in KINDS:
+                steps = statistics.median(r[kind][0] for r in runs)
+                ms = statistics.median(r[kind][1] for r in runs) * 1e3
+                cells.append(f"{steps:.0f} / {ms:.0f}")
+            total = statistics.median(sum(s for _, s in r.values()) for r in runs) * 1e3
+            print(f"| {pair_name} | {b} | {name} | " + " | ".join(cells) + f" | {total:.0f} |")
 
 
 if __name__ == "__main__":

@@ -74,3 +74,34 @@ def check_report(text: str) -> None:
     same = _table_row(text, '(e) ours, "auto", useless draft')[-1]
     assert same.split("/")[0] == same.split("/")[1]
     assert re.search(r"Batched outputs equal to sequential ones: (\d+)/\1\.", text)
+
+
+@pytest.mark.skipif(not (DEMO / "target").is_dir(), reason="the demo pair is not in engine/demo")
+def test_lockstep_names_its_fixed_ks_and_splits_steps_by_kind():
+    """`lockstep.py --ks --kinds`: a column per fixed K asked for, every contender lossless,
+    and each contender's steps split into full, join and thin steps that add up to its
+    time (the split that shows what rows parting costs)."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/lockstep.py", "--pairs", "demo", "--sizes", "4"]
+        + ["--runs", "1", "--max-tokens", "8", "--ks", "1,3", "--kinds"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    header = next(line for line in lines if line.startswith("| pair | batch | none"))
+    assert "| K=1 / none | K=3 / none |" in header and "K=2" not in header
+    row = next(line for line in lines if line.startswith("| demo | 4 | ") and "/" in line)
+    n, total = row.strip("|").split("|")[-1].strip().split("/")
+    assert n == total == "10", row  # 5 contenders, each in the untimed run and the timed one
+    kinds = [line for line in lines if re.match(r"\| demo \| 4 \| (none|auto|K=1|K=3) \|", line)]
+    assert [k.split("|")[3].strip() for k in kinds] == ["none", "auto", "K=1", "K=3"]
+    for line in kinds:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        full, join, thin = (c.split(" / ") for c in cells[3:6])
+        assert int(join[0]) >= 2  # the first rows join on one step, the next ones on one or more
+        assert abs(sum(float(ms) for _, ms in (full, join, thin)) - float(cells[6])) <= 2
+    plain = next(k for k in kinds if "| none |" in k)
+    assert plain.split("|")[6].strip().startswith("0 /")  # plain rows finish together
