@@ -21,7 +21,7 @@ contender's greedy output equals plain decoding's (lossless), per run.
 `--ks` sets the fixed K contenders (default 1,2). `--kinds` also prints, per contender, its
 steps by kind, median over runs: full (every row in, none joining), join (rows joined:
 their prefill is in it) and thin (fewer rows than the batch: the last rows of a run),
-each as steps / ms. That splits a contender's time into what its draft length buys on
+each as steps / ms / tokens emitted a ms. That splits a contender's time into what its draft length buys on
 full steps and what its rows parting costs in joins of one row and in the thin tail.
 """
 
@@ -69,7 +69,7 @@ class Lane:
         self.seconds = 0.0
         self.plain_steps: list[float] = []  # seconds of steps where no row drafted
         self.outputs: dict[int, list[int]] = {}  # request index -> its tokens
-        self.kinds = {kind: [0, 0.0] for kind in KINDS}  # kind -> [steps, seconds]
+        self.kinds = {kind: [0, 0.0, 0] for kind in KINDS}  # kind -> [steps, seconds, tokens]
         self.done = False
 
     def step(self) -> None:
@@ -104,6 +104,7 @@ class Lane:
             run = self.runs[i]
             run.feed(step)
             proposed += step.proposed
+            self.kinds[kind][2] += len(step.tokens)
             if run.finished:
                 self.decoder.remove(i)
                 self.outputs[i] = self.runs.pop(i).out
@@ -253,8 +254,9 @@ def main(argv=None) -> int:
 
 
 def print_kinds(rows, names) -> None:
-    """Each contender's steps by kind (KINDS), median over runs: steps / ms."""
-    print("\n| pair | batch | contender | " + " | ".join(KINDS) + " | all ms |")
+    """Each contender's steps by kind (KINDS), median over runs: steps / ms / tokens a ms."""
+    heads = " | ".join(f"{kind}: steps / ms / tok a ms" for kind in KINDS)
+    print(f"\n| pair | batch | contender | {heads} | all ms |")
     print("|---" * (4 + len(KINDS)) + "|")
     for pair_name, b, got in rows:
         for name in names:
@@ -263,8 +265,11 @@ def print_kinds(rows, names) -> None:
             for kind in KINDS:
                 steps = statistics.median(r[kind][0] for r in runs)
                 ms = statistics.median(r[kind][1] for r in runs) * 1e3
-                cells.append(f"{steps:.0f} / {ms:.0f}")
-            total = statistics.median(sum(s for _, s in r.values()) for r in runs) * 1e3
+                rate = statistics.median(
+                    r[kind][2] / r[kind][1] / 1e3 if r[kind][1] else 0 for r in runs
+                )
+                cells.append(f"{steps:.0f} / {ms:.0f} / {rate:.2f}")
+            total = statistics.median(sum(k[1] for k in r.values()) for r in runs) * 1e3
             print(f"| {pair_name} | {b} | {name} | " + " | ".join(cells) + f" | {total:.0f} |")
 
 

@@ -102,6 +102,7 @@ def test_lockstep_names_its_fixed_ks_and_splits_steps_by_kind():
         cells = [c.strip() for c in line.strip("|").split("|")]
         full, join, thin = (c.split(" / ") for c in cells[3:6])
         assert int(join[0]) >= 2  # the first rows join on one step, the next ones on one or more
-        assert abs(sum(float(ms) for _, ms in (full, join, thin)) - float(cells[6])) <= 2
+        assert abs(sum(float(ms) for _, ms, _ in (full, join, thin)) - float(cells[6])) <= 2
+        assert float(full[2]) > 0  # full steps emit tokens (one a row at least)
     plain = next(k for k in kinds if "| none |" in k)
     assert plain.split("|")[6].strip().startswith("0 /")  # plain rows finish together
