@@ -21,8 +21,9 @@ contender's greedy output equals plain decoding's (lossless), per run.
 `--ks` sets the fixed K contenders (default 1,2). `--kinds` also prints, per contender, its
 steps by kind, median over runs: full (every row in, none joining), join (rows joined:
 their prefill is in it) and thin (fewer rows than the batch: the last rows of a run),
-each as steps / ms / tokens emitted a ms. That splits a contender's time into what its draft length buys on
-full steps and what its rows parting costs in joins of one row and in the thin tail.
+each as steps / ms / tokens emitted a ms. That splits a contender's time into what its
+draft length buys on full steps and what its rows parting costs in joins of one row and in
+the thin tail.
 """
 
 from __future__ import annotations
@@ -65,12 +66,15 @@ class Lane:
         self.decoder = new_decoder(pair)
         self.waiting = iter(enumerate(requests))
         self.runs: dict[int, RequestRun] = {}
-        self.tokens = self.steps = self.row_steps = self.drafted = 0
-        self.seconds = 0.0
+        self.tokens = self.row_steps = self.drafted = 0
         self.plain_steps: list[float] = []  # seconds of steps where no row drafted
         self.outputs: dict[int, list[int]] = {}  # request index -> its tokens
         self.kinds = {kind: [0, 0.0, 0] for kind in KINDS}  # kind -> [steps, seconds, tokens]
         self.done = False
+
+    @property
+    def seconds(self) -> float:
+        return sum(seconds for _, seconds, _ in self.kinds.values())
 
     def step(self) -> None:
         t0 = time.perf_counter()
@@ -109,11 +113,8 @@ class Lane:
                 self.decoder.remove(i)
                 self.outputs[i] = self.runs.pop(i).out
                 self.tokens += len(self.outputs[i])
-        took = time.perf_counter() - t0
-        self.seconds += took
         self.kinds[kind][0] += 1
-        self.kinds[kind][1] += took
-        self.steps += 1
+        self.kinds[kind][1] += time.perf_counter() - t0
         self.row_steps += len(steps)
         self.drafted += proposed
         if not proposed and not joining:
@@ -154,13 +155,14 @@ def cell(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=(1, 2)) -> d
     """Ratios against "none" per run, drafts per row-step, plain-step seconds, steps by
     kind."""
     field = ("ratio", "tps", "drafts", "plain_s", "kinds")
-    pairs_by = {name: own_pair(pair) for name, _, _ in contenders(ks)}
-    out = {name: {f: [] for f in field} for name, _, _ in contenders(ks)}
+    lanes_of = contenders(ks)
+    pairs_by = {name: own_pair(pair) for name, _, _ in lanes_of}
+    out = {name: {f: [] for f in field} for name, _, _ in lanes_of}
     out["lossless"] = [0, 0]  # contender runs whose outputs all equal plain's, of all
     for r in range(runs + 1):  # run 0 warms every contender up, untimed
         lanes = {
             name: Lane(pairs_by[name], requests_for(ids_list, d, k, max_tokens), batch)
-            for name, d, k in contenders(ks)
+            for name, d, k in lanes_of
         }
         lockstep(lanes, seed=r)
         for lane in lanes.values():  # greedy: every contender gives plain's tokens
@@ -269,7 +271,7 @@ def print_kinds(rows, names) -> None:
                     r[kind][2] / r[kind][1] / 1e3 if r[kind][1] else 0 for r in runs
                 )
                 cells.append(f"{steps:.0f} / {ms:.0f} / {rate:.2f}")
-            total = statistics.median(sum(k[1] for k in r.values()) for r in runs) * 1e3
+            total = statistics.median(sum(s for _, s, _ in r.values()) for r in runs) * 1e3
             print(f"| {pair_name} | {b} | {name} | " + " | ".join(cells) + f" | {total:.0f} |")
 
 
