@@ -50,7 +50,6 @@ from .policy import (
     BATCH_SIZES,
     DECAY,
     EMA,
-    EXPLORE_BURST,
     EXPLORE_EVERY,
     EXPLORE_GAP,
     EXPLORE_NEAR,
@@ -494,8 +493,6 @@ class DraftController:
     # (rows, width) -> `now` when a step of that shape last ran (`_explore`)
     shape_seen: dict = field(default_factory=dict)
     explored: dict = field(default_factory=dict)  # size class -> `now` of its last exploring step
-    untimed: dict = field(default_factory=dict)  # size class -> `now` of its last untimed burst
-    burst: tuple | None = None  # (rows, K, steps left) of an untimed depth's burst
     # (width, depth) -> step seconds (`_step_prices`) at the rows and drafted rows of
     # `prices_at`: (price_version, now // PRICE_STEPS, rows, drafted rows) when they were made
     prices: dict = field(default_factory=dict)
@@ -992,20 +989,13 @@ class DraftController:
         return k
 
     def _explore_untimed(self, auto, size_class: int, rows: int, k_max: int, rates, bar) -> int:
-        """A depth to run where K = 0 was priced on depths never timed at this batch size
-        (EXPLORE_NEAR): the shallowest with fewer than FIT_WEIGHT steps on the depth line,
-        where its drafts would add a share of a token a row that a price could pay for;
-        0: none (plain decoding). It runs EXPLORE_BURST steps in a row (the first reads
-        what the draft model missed while the rows ran plain, and is no sample), at most
-        one burst every EXPLORE_EVERY steps at a size class, until the line is fitted."""
-        burst = self.burst
-        if burst is not None and burst[0] == rows and burst[2] > 0:
-            self.burst = (rows, burst[1], burst[2] - 1)
-            return burst[1]
-        self.burst = None
+        """A depth to run for one step where K = 0 was priced on depths never timed at
+        this batch size (EXPLORE_NEAR): the shallowest with fewer than FIT_WEIGHT steps
+        on the depth line, until the line is fitted, where its drafts would add a share of
+        a token a row that a price could pay for; 0: none (plain decoding)."""
         if self.block or max(rates[1:]) < EXPLORE_NEAR * bar:
             return 0
-        if self.now - self.untimed.get(size_class, -EXPLORE_EVERY) < EXPLORE_EVERY:
+        if self.now - self.explored.get(size_class, -EXPLORE_GAP) < EXPLORE_GAP:
             return 0
         fit = self.fits.get(rows)
         if fit is not None and fit.ready():
@@ -1018,8 +1008,7 @@ class DraftController:
         gain = sum(expected_tokens(r.acceptance, min(k, r.cap)) for r in auto) / len(auto)
         if gain < 1.0 / EXPLORE_NEAR:
             return 0
-        self.untimed[size_class] = self.now
-        self.burst = (rows, k, EXPLORE_BURST - 1)
+        self.explored[size_class] = self.now
         return k
 
     def reuse_settled(self, key, offer: tuple[int, int], rows: int) -> int | None:

@@ -1074,12 +1074,9 @@ def test_a_plain_decision_priced_on_depths_never_timed_runs_them_until_the_line_
     # by extrapolating that one, and stood: no drafting step ever ran to mend the price
     # (measured at 4 demo rows, 8 requests a run: 5 processes of 8 settled plain, K = 2
     # priced 8.5 ms where it runs at 7.1, and read 1.07x plain). Where some K is priced
-    # near plain, the shallowest depth not yet timed runs a burst of EXPLORE_BURST steps
-    # (its first reads the draft model's backlog and is no sample), at most one burst
-    # every EXPLORE_EVERY steps, until the depth line is fitted; then the prices rule. Far
-    # under plain, nothing is explored. (Mutations: no exploration from K = 0 -> no
-    # drafting step at all; one step instead of a burst -> no two drafting steps in a row;
-    # no spacing -> a burst every few steps while the line gets no sample.)
+    # near plain, the shallowest depth not yet timed runs a step now and then until the
+    # depth line is fitted; then the prices rule. Far under plain, nothing is explored.
+    # (Mutation: no exploration from K = 0 -> no drafting step at all.)
     ctl = _optimist()
     share = {"of_plain": 0.9}
 
@@ -1090,33 +1087,23 @@ def test_a_plain_decision_priced_on_depths_never_timed_runs_them_until_the_line_
     for _ in range(3):  # depth 1 timed: the line has one depth
         ctl.fits.setdefault(4, adaptive.DepthFit()).add(1, 0.005)
 
-    def chosen(steps: int, sample: bool) -> list[int]:
+    def chosen(steps: int) -> list[int]:
         got = []
         for _ in range(steps):
             k = ctl.choose_batch_k(_rows(4), [], 4, key=("batch",))
             got.append(0 if ctl.probing else k)
             ctl.observe_realized(4, 0.003, 4, k > 0, evidence=not ctl.probing)
-            if k and not ctl.probing and sample:
+            if k and not ctl.probing:
                 ctl.fits[4].add(k, 0.004 + 0.001 * k)
         return got
 
-    # The burst's steps give no sample (a backlog read each): it comes back, spaced out.
-    got = chosen(3 * policy.EXPLORE_EVERY, sample=False)
-    explored = [i for i, k in enumerate(got) if k]
-    assert {got[i] for i in explored} == {2}  # the untimed depth, not the timed one
-    assert len(explored) == 3 * policy.EXPLORE_BURST  # a burst every EXPLORE_EVERY steps
-    first = explored[: policy.EXPLORE_BURST]
-    assert first == list(range(first[0], first[0] + policy.EXPLORE_BURST))  # in a row
-    assert explored[policy.EXPLORE_BURST] - first[0] >= policy.EXPLORE_EVERY
-    # Its steps are samples: one burst fits the line, then plain decoding stands.
-    ctl.fits[4] = adaptive.DepthFit()
-    for _ in range(3):
-        ctl.fits[4].add(1, 0.005)
-    ctl.untimed.clear()
-    got = chosen(3 * policy.EXPLORE_EVERY, sample=True)
-    assert sum(k > 0 for k in got) == policy.EXPLORE_BURST
-    assert ctl.fits[4].ready()
+    got = chosen(4 * policy.EXPLORE_GAP)
+    explored = [k for k in got if k]
+    assert explored and set(explored) == {2}  # the untimed depth, not the timed one
+    assert len(explored) <= 4  # at most one step every EXPLORE_GAP steps
+    while not ctl.fits[4].ready():
+        ctl.fits[4].add(2, 0.006)
+    assert not any(chosen(4 * policy.EXPLORE_GAP))  # the line is fitted: plain it is
     ctl.fits.clear()
-    ctl.untimed.clear()
     share["of_plain"] = 0.5
-    assert not any(chosen(3 * policy.EXPLORE_EVERY, sample=True))  # far under plain
+    assert not any(chosen(4 * policy.EXPLORE_GAP))  # far under plain: nothing explored
