@@ -52,7 +52,6 @@ from .policy import (
     EMA,
     EXPLORE_EVERY,
     EXPLORE_GAP,
-    EXPLORE_NEAR,
     FIT_DECAY,
     FIT_DEPTHS,
     FIT_WEIGHT,
@@ -917,11 +916,6 @@ class DraftController:
                 if not any(r.free for r in auto):
                     self.held, self.held_left = (hold, k), HELD_STEPS - 1
             return k
-        no_free = not any(r.free for r in auto)
-        if no_free and drafted_rows == rows and not self.speculation_lost(rows):
-            k = self._explore_untimed(auto, c, rows, k_max, rates, bar)
-            if k:
-                return k
         # Speculation does not pay at today's acceptance (or the guard stopped it):
         # probe now and then so acceptance stays measured, less often after each
         # failed probe.
@@ -985,29 +979,6 @@ class DraftController:
         k = min(seen, key=seen.get)
         if self.now - seen[k] < EXPLORE_EVERY:
             return best
-        self.explored[size_class] = self.now
-        return k
-
-    def _explore_untimed(self, auto, size_class: int, rows: int, k_max: int, rates, bar) -> int:
-        """A depth to run for one step where K = 0 was priced on depths never timed at
-        this batch size (EXPLORE_NEAR): the shallowest with fewer than FIT_WEIGHT steps
-        on the depth line, until the line is fitted, where its drafts would add a share of
-        a token a row that a price could pay for; 0: none (plain decoding)."""
-        if self.block or max(rates[1:]) < EXPLORE_NEAR * bar:
-            return 0
-        if self.now - self.explored.get(size_class, -EXPLORE_GAP) < EXPLORE_GAP:
-            return 0
-        fit = self.fits.get(rows)
-        if fit is not None and fit.ready():
-            return 0
-        depths = fit.depths if fit is not None else {}
-        k = next((d for d in range(1, k_max + 1) if depths.get(d, 0.0) < FIT_WEIGHT), 0)
-        if not k:
-            return 0
-        # Drafts that would hardly add a token a row (acceptance near 0) pay at no price.
-        gain = sum(expected_tokens(r.acceptance, min(k, r.cap)) for r in auto) / len(auto)
-        if gain < 1.0 / EXPLORE_NEAR:
-            return 0
         self.explored[size_class] = self.now
         return k
 

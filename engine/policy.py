@@ -121,13 +121,6 @@ PLAIN_SETTLE = 2
 #: draft) whose step shape has not run there for EXPLORE_EVERY steps runs one step, at
 #: most one such step every EXPLORE_GAP steps, so that its pass price stays live.
 EXPLORE_EVERY, EXPLORE_GAP = 64, 16
-#: Where "auto" settles K = 0 at a batch size whose depth line is not yet fitted (fewer
-#: than FIT_DEPTHS depths timed there), and some K is priced within this share of plain
-#: decoding, a depth not yet timed runs one step (at most one every EXPLORE_GAP steps)
-#: until the line is fitted: an untimed depth's price is an extrapolation from the one
-#: timed, and K = 0 decided on it stood for good (measured at 4 demo rows, 8 requests a
-#: run: 5 processes of 8 settled plain, K = 2 priced 8.5 ms where it runs at 7.1).
-EXPLORE_NEAR = 0.85
 #: A drafting shape's price relative to the plain pass (adaptive.live_relative) is
 #: learnt only from steps within this many steps of a live plain step at that batch size.
 RELATIVE_FRESH = 64

@@ -68,15 +68,6 @@ def _schedule(monkeypatch, ctl: DraftController, ks: list[int], then: int) -> No
     monkeypatch.setattr(ctl, "choose_batch_k", scheduled)
 
 
-def _fitted(ctl: DraftController, rows: int = 4) -> None:
-    """The depth line at `rows` fitted (depths 1 and 2 timed): the prices of every K stand
-    on timed steps, so "auto" explores no untimed depth from K = 0."""
-    fit = ctl.fits.setdefault(rows, adaptive.DepthFit())
-    for _ in range(3):
-        fit.add(1, 0.005)
-        fit.add(2, 0.006)
-
-
 def _drafting_steps(ctl: DraftController, steps: int, emitted: int) -> int:
     """Steps of 4 rows that drafted (probes aside), each 3 ms: a plain one emits 4 tokens,
     a drafting one `emitted`."""
@@ -854,7 +845,6 @@ def test_drafting_starts_past_the_margin_and_goes_on_while_it_pays_at_all(monkey
     # 2% step below settles K = 0; measured at 4 demo rows: stretches of 100+ plain steps
     # where K = 1 ran 1.07x plain.)
     ctl = _optimist()
-    _fitted(ctl)
     ahead = {"by": 0.02}
 
     def rates(auto, fixed, k_max, *a, **kw):
@@ -882,7 +872,6 @@ def test_a_pair_that_has_heard_no_drafts_drafts_until_it_has(monkeypatch):
     # permitting); then the prices rule. (Mutation: no such trial -> K = 0 throughout;
     # measured: a whole lockstep cell at 4 demo rows ran plain where K = 1 ran 1.07x.)
     ctl = _optimist()
-    _fitted(ctl)
     monkeypatch.setattr(
         ctl, "_rates", lambda auto, fixed, k_max, *a, **kw: ([1.0] + [0.98] * k_max, [10.0] * 9)
     )
@@ -1065,45 +1054,3 @@ def test_a_rows_expected_tokens_a_step_follow_its_acceptance_and_cap():
     assert e == (1.0, 1.5, 1.75, 1.75) and full == (1.0, 2.0, 3.0, 3.0)
     assert var[0] == 0.0 and var[1] == pytest.approx(0.25) and var[3] == var[2]
     assert adaptive._row_tokens(1.0, 3, 5)[0] == (1.0, 2.0, 3.0, 4.0, 4.0)
-
-
-def test_a_plain_decision_priced_on_depths_never_timed_runs_them_until_the_line_is_fitted(
-    monkeypatch,
-):
-    # K = 0 decided where only one depth had run at a batch size priced every other depth
-    # by extrapolating that one, and stood: no drafting step ever ran to mend the price
-    # (measured at 4 demo rows, 8 requests a run: 5 processes of 8 settled plain, K = 2
-    # priced 8.5 ms where it runs at 7.1, and read 1.07x plain). Where some K is priced
-    # near plain, the shallowest depth not yet timed runs a step now and then until the
-    # depth line is fitted; then the prices rule. Far under plain, nothing is explored.
-    # (Mutation: no exploration from K = 0 -> no drafting step at all.)
-    ctl = _optimist()
-    share = {"of_plain": 0.9}
-
-    def rates(auto, fixed, k_max, *a, **kw):
-        return [1.0] + [share["of_plain"]] * k_max, [10.0] * (k_max + 1)
-
-    monkeypatch.setattr(ctl, "_rates", rates)
-    for _ in range(3):  # depth 1 timed: the line has one depth
-        ctl.fits.setdefault(4, adaptive.DepthFit()).add(1, 0.005)
-
-    def chosen(steps: int) -> list[int]:
-        got = []
-        for _ in range(steps):
-            k = ctl.choose_batch_k(_rows(4), [], 4, key=("batch",))
-            got.append(0 if ctl.probing else k)
-            ctl.observe_realized(4, 0.003, 4, k > 0, evidence=not ctl.probing)
-            if k and not ctl.probing:
-                ctl.fits[4].add(k, 0.004 + 0.001 * k)
-        return got
-
-    got = chosen(4 * policy.EXPLORE_GAP)
-    explored = [k for k in got if k]
-    assert explored and set(explored) == {2}  # the untimed depth, not the timed one
-    assert len(explored) <= 4  # at most one step every EXPLORE_GAP steps
-    while not ctl.fits[4].ready():
-        ctl.fits[4].add(2, 0.006)
-    assert not any(chosen(4 * policy.EXPLORE_GAP))  # the line is fitted: plain it is
-    ctl.fits.clear()
-    share["of_plain"] = 0.5
-    assert not any(chosen(4 * policy.EXPLORE_GAP))  # far under plain: nothing explored
