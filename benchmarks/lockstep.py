@@ -135,6 +135,19 @@ def lockstep(lanes: dict[str, Lane], seed: int = 0) -> None:
                 lanes[name].step()
 
 
+def named_pair(name: str, demo, cache: Path, params: int):
+    """The pair a benchmark names: "demo" (as shipped), "random" (the demo target with a
+    draft model of random weights) or "widened" (the demo target widened to `params`)."""
+    if name == "demo":
+        return demo
+    if name == "widened":
+        return engine.load_pair(pairs.widen(DEMO_TARGET, params, cache=cache), DEMO_DRAFT)
+    if name == "random":
+        useless = pairs.useless_draft(DEMO_DRAFT, cache=cache)
+        return batched_auto.with_draft(demo, useless, "demo+random-draft")
+    raise SystemExit(f"lockstep: unknown pair {name!r} (demo, random, widened)")
+
+
 def own_pair(pair):
     """The pair with its own copy of the calibrated controller."""
     mine = copy.copy(pair)
@@ -214,16 +227,7 @@ def main(argv=None) -> int:
     print("|---" * (8 + len(fixed)) + "|")
     kinds_rows = []
     for name in args.pairs.split(","):
-        if name == "demo":
-            pair = demo
-        elif name == "widened":
-            wide = pairs.widen(DEMO_TARGET, args.params, cache=args.cache)
-            pair = engine.load_pair(wide, DEMO_DRAFT)
-        elif name == "random":
-            useless = pairs.useless_draft(DEMO_DRAFT, cache=args.cache)
-            pair = batched_auto.with_draft(demo, useless, "demo+random-draft")
-        else:
-            raise SystemExit(f"lockstep: unknown pair {name!r} (demo, random, widened)")
+        pair = named_pair(name, demo, args.cache, args.params)
         for b in sizes:
             n = b * args.per_run
             ids_list = (prompts * n)[:n]

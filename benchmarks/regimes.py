@@ -27,7 +27,6 @@ from engine.loading import DEMO_DRAFT, DEMO_TARGET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import batched_auto  # noqa: E402
 import lockstep  # noqa: E402
 import pairs  # noqa: E402
 import prompts as prompt_sets  # noqa: E402
@@ -67,10 +66,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--cache", type=Path, default=pairs.CACHE)
     args = ap.parse_args(argv)
-    pair = engine.load_pair(DEMO_TARGET, DEMO_DRAFT)
-    if args.pair == "random":
-        useless = pairs.useless_draft(DEMO_DRAFT, cache=args.cache)
-        pair = batched_auto.with_draft(pair, useless, "demo+random-draft")
+    demo = engine.load_pair(DEMO_TARGET, DEMO_DRAFT)
+    pair = lockstep.named_pair(args.pair, demo, args.cache, 0)
     prompts = [ids for _, ids in prompt_sets.code_prompts(pair.tokenizer, 16, 48)]
     n = args.batch * args.per_run
     ids_list = (prompts * n)[:n]
