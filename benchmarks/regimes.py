@@ -7,10 +7,11 @@ lottery").
 `lockstep.py` gives one process's medians; which regime "auto" ends in (drafting, or K = 0
 for good) is set by a process's first steps and varies from one process to the next. Each
 process here is a fresh copy of the pair's calibrated controller (as a new worker starts),
-decoding the same requests run after run beside a plain-decoding lane, the two stepped in
-lockstep (`lockstep.lockstep`). A row per process: "auto"'s drafts a row-step in each run,
-its speed against the plain lane's in each run, and whether its last run drafted under
-SETTLED drafts a row-step (plain decoding, bar probes). The summary counts those processes.
+decoding the same requests run after run beside a plain-decoding lane and a second one (the
+control: the noise floor), the three stepped in lockstep (`lockstep.lockstep`). A row per
+process: "auto"'s drafts a row-step in each run, its speed and the control's against the
+plain lane's in each run, and whether its last run drafted under SETTLED drafts a row-step
+(plain decoding, bar probes). The summary counts those processes.
 """
 
 from __future__ import annotations
@@ -34,25 +35,32 @@ import prompts as prompt_sets  # noqa: E402
 SETTLED = 0.2  # drafts a row-step under which a run counts as plain decoding
 
 
-def process(pair, ids_list, batch: int, runs: int, max_tokens: int) -> list[tuple[float, float]]:
-    """One process: (auto's drafts a row-step, auto / none) for each run."""
-    mine, plain = lockstep.own_pair(pair), lockstep.own_pair(pair)
+LANES = (("auto", "model", "auto"), ("none", "none", 1), ("control", "none", 1))
+
+
+def process(pair, ids_list, batch: int, runs: int, max_tokens: int) -> list[tuple]:
+    """One process: (auto's drafts a row-step, auto / none, control / none) for each run."""
+    own = {name: lockstep.own_pair(pair) for name, _, _ in LANES}
     out = []
     for r in range(runs):
         lanes = {
-            "auto": lockstep.Lane(
-                mine, lockstep.requests_for(ids_list, "model", "auto", max_tokens), batch
-            ),
-            "none": lockstep.Lane(
-                plain, lockstep.requests_for(ids_list, "none", 1, max_tokens), batch
-            ),
+            name: lockstep.Lane(
+                own[name], lockstep.requests_for(ids_list, drafter, k, max_tokens), batch
+            )
+            for name, drafter, k in LANES
         }
         lockstep.lockstep(lanes, seed=r)
         auto, none = lanes["auto"], lanes["none"]
         if auto.outputs != none.outputs:
             raise SystemExit("regimes: auto's greedy output differs from plain decoding's")
-        ratio = (auto.tokens / auto.seconds) / (none.tokens / none.seconds)
-        out.append((auto.drafted / max(auto.row_steps, 1), ratio))
+        speed = {name: lane.tokens / lane.seconds for name, lane in lanes.items()}
+        out.append(
+            (
+                auto.drafted / max(auto.row_steps, 1),
+                speed["auto"] / speed["none"],
+                speed["control"] / speed["none"],
+            )
+        )
     return out
 
 
@@ -75,23 +83,31 @@ def main(argv=None) -> int:
         f"# regimes: {args.pair} pair, {args.processes} processes of {args.runs} runs, batch "
         f"{args.batch}, {n} requests of {args.max_tokens} new tokens a run, greedy"
     )
-    print("| process | auto drafts a row-step, each run | auto / none, each run | settled plain |")
-    print("|---|---|---|---|")
-    settled, ratios = 0, []
+    print(
+        "| process | auto drafts a row-step, each run | auto / none, each run "
+        "| control / none, each run | settled plain |"
+    )
+    print("|---|---|---|---|---|")
+    settled, ratios, controls = 0, [], []
     for p in range(1, args.processes + 1):
         got = process(pair, ids_list, args.batch, args.runs, args.max_tokens)
         plain = got[-1][0] < SETTLED
         settled += plain
-        ratios += [ratio for _, ratio in got]
+        ratios += [ratio for _, ratio, _ in got]
+        controls += [control for _, _, control in got]
         print(
-            f"| {p} | {', '.join(f'{d:.2f}' for d, _ in got)} | "
-            f"{', '.join(f'{r:.3f}' for _, r in got)} | {'yes' if plain else 'no'} |",
+            f"| {p} | {', '.join(f'{d:.2f}' for d, _, _ in got)} | "
+            f"{', '.join(f'{r:.3f}' for _, r, _ in got)} | "
+            f"{', '.join(f'{c:.3f}' for _, _, c in got)} | {'yes' if plain else 'no'} |",
             flush=True,
         )
+
+    def spread(values: list[float]) -> str:
+        return f"median {statistics.median(values):.3f} ({min(values):.2f}-{max(values):.2f})"
+
     print(
         f"\nsettled plain by the last run: {settled} of {args.processes} processes; "
-        f"auto / none over every run: median {statistics.median(ratios):.3f} "
-        f"({min(ratios):.2f}-{max(ratios):.2f})"
+        f"over every run, auto / none {spread(ratios)}, control / none {spread(controls)}"
     )
     return 0
 

@@ -109,8 +109,8 @@ def test_lockstep_names_its_fixed_ks_and_splits_steps_by_kind():
 
 
 def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
-    """`regimes.py`: a row per process with a figure per run, and a summary whose count of
-    processes that settled plain is the count of rows that say so."""
+    """`regimes.py`: a row per process with a figure per run (the control's too), and a
+    summary whose count of processes that settled plain is the count of rows that say so."""
     proc = subprocess.run(
         [sys.executable, "benchmarks/regimes.py", "--processes", "2", "--runs", "2"]
         + ["--per-run", "1", "--max-tokens", "8"],
@@ -123,8 +123,9 @@ def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
     for row in rows:
-        drafts, ratios, plain = (c.strip() for c in row.strip("|").split("|")[1:])
-        assert len(drafts.split(", ")) == len(ratios.split(", ")) == 2
+        drafts, ratios, controls, plain = (c.strip() for c in row.strip("|").split("|")[1:])
+        assert len(drafts.split(", ")) == len(ratios.split(", ")) == len(controls.split(", ")) == 2
         assert plain == ("yes" if float(drafts.split(", ")[-1]) < 0.2 else "no")
     yes = sum(r.rstrip(" |").endswith("yes") for r in rows)
     assert f"settled plain by the last run: {yes} of 2 processes" in proc.stdout
+    assert "control / none median" in proc.stdout
