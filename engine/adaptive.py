@@ -83,7 +83,6 @@ from .policy import (
     expected_tokens,
 )
 from .realized import Realized
-from .referee import DRAFT, PLAIN, Referee
 
 # Acceptance of lookup drafts taken inside a model-drafted request (key in the controller).
 HYBRID_LOOKUP = "model+lookup"
@@ -498,12 +497,6 @@ class DraftController:
     prices: dict = field(default_factory=dict)
     prices_at: tuple = ()
     price_version: int = 0  # bumped when a shape is new to a live table: prices made before go
-    # size class -> (the priced best K's speed over plain decoding's, that K) of its last
-    # priced step: where drafting is priced ahead, the referee races the two
-    near: dict = field(default_factory=dict)
-    referees: dict = field(default_factory=dict)  # size class -> its Referee (engine/referee.py)
-    referee: bool = True  # (False: none; benchmarks A/B it so)
-    refereed: Referee | None = None  # the referee whose stretch this step is
 
     @property
     def model_rows_draft(self) -> bool:
@@ -823,53 +816,6 @@ class DraftController:
         sync=(0, 1.0),
         hold=None,
     ) -> int:
-        """One draft length for every greedy "auto" row of a step: the cost model's
-        (`_choose_batch_k`), and where it finds drafting and plain decoding close at this
-        batch size, the stretch referee's arm (engine/referee.py): K = 0 with no probe, or
-        drafting at the model's K (its best priced K where it chose none)."""
-        k = self._choose_batch_k(auto, fixed, drafted_rows, warm, key, offer, rows, sync, hold)
-        self.refereed = None
-        if not auto:
-            return k
-        rows = rows if rows is not None else len(auto) + len(fixed)
-        c = self.size_class(rows)
-        near = self.near.get(c)
-        if rows < 2 or near is None or near[0] <= 1 or not self.referee:
-            return k
-        referee = self.referees.get(c)
-        if referee is None:  # the race starts on the side the model chose
-            referee = self.referees[c] = Referee(arm=DRAFT if k else PLAIN)
-        self.refereed = referee
-        if not referee.heard:  # its first step runs as the model chose (a caller that
-            return k  # reports no whole steps, `referee_observe`, is never refereed)
-        if referee.arm == PLAIN:
-            self.probing = False
-            return 0
-        if k == 0 or self.probing:
-            self.probing = False
-            self.model_depth = None
-            return min(near[1], max(r.cap for r in auto))
-        return k
-
-    def referee_observe(self, seconds: float, tokens: int, joined: bool = False) -> None:
-        """The step just chosen ran: `seconds` from its start, `tokens` emitted, rows
-        `joined` on it or not; the referee whose stretch it was hears it."""
-        if self.refereed is not None:
-            self.refereed.observe(seconds, tokens, joined)
-            self.refereed = None
-
-    def _choose_batch_k(
-        self,
-        auto: list[AutoRow],
-        fixed: list[FixedRow],
-        drafted_rows: int,
-        warm=(0, 1.0),
-        key=None,
-        offer: tuple[int, int] | None = None,
-        rows: int | None = None,
-        sync=(0, 1.0),
-        hold=None,
-    ) -> int:
         """One draft length for every greedy "auto" row of a step (each capped by its
         own `cap`): the most expected tokens per second for the whole batch, the draft
         model's first read of cold rows (`warm`, see `_rates`) included. A probe
@@ -919,7 +865,6 @@ class DraftController:
         # and speculation compete for the same compute), plain decoding, and no probe.
         if max(ceilings[1:]) <= bar:
             self.drafting[c] = False
-            self.near.pop(c, None)
             self._settle(*settle, may_probe=False)
             return 0
         # The best K; the shorter one on a tie.
@@ -945,7 +890,6 @@ class DraftController:
                 rates, best, self.model_depth = alone, k_alone, 0
         elif not any(r.free for r in auto):
             self.model_k[c] = best
-        self.near[c] = (rates[best] / rates[0] if rates[0] > 0 else math.inf, best)
         free_step = not self.model_rows_draft or all(r.free for r in auto)
         pays = rates[best] > bar and not self.speculation_lost(rows, free_step)
         if not pays and self._untried() and not self.speculation_lost(rows, free_step):

@@ -163,21 +163,6 @@ HYBRID_MIN_NGRAM = 2
 #: widened and random-draft pairs at 4 rows 1.01x).
 HYBRID_MAX_ROWS = 2
 
-#: The stretch referee (engine/referee.py) races drafting against plain decoding at a
-#: batch-size class of two rows or more where the cost model prices drafting ahead: there
-#: its step prices are no answer (at 4 demo rows it priced the best K at 1.03-1.72x plain,
-#: median 1.39, where K = 1 and 2 ran 1.04-1.09x and plain won on other days), while
-#: where it prices drafting behind it is right (16 demo rows: 0.72-0.83, run 0.86).
-#: ... in stretches of this many steps at that class (a stretch's speed, steps that rows
-#: joined on left out, swings ~8% at 32 steps of 4 demo rows, ~12% at 16),
-REFEREE_STRETCH = 32
-#: ... naming a winner from the mean log speed ratio of the newest REFEREE_PAIRS pairs of
-#: stretches once REFEREE_MIN_PAIRS are in (or at the first, if it is past REFEREE_CLEAR),
-REFEREE_MIN_PAIRS, REFEREE_PAIRS, REFEREE_CLEAR = 3, 12, 0.15
-#: ... then running the loser one stretch in as many as keep its cost near this share of
-#: the time (the winner runs at most REFEREE_RUN_MAX stretches between).
-REFEREE_COST, REFEREE_RUN_MAX = 0.01, 32
-
 # Each change of a decoder's rows takes a new number: the controller's reused K = 0
 # decision (choose_batch_k's key) never outlives the rows it was priced for.
 _EPOCHS = itertools.count()
@@ -473,12 +458,6 @@ class DraftPolicy:
             ctl.observe_read(positions, read_s)
             proposer.last_read = None
         n_rows = len(outcome.rows)
-        # The referee times whole steps (engine/referee.py).
-        ctl.referee_observe(
-            time.perf_counter() - outcome.started,
-            sum(1 + n for n in outcome.accepted),
-            outcome.joined,
-        )
         if outcome.churn_events:
             ctl.observe_churn(n_rows, outcome.churn_s / outcome.churn_events)
         if outcome.joined:
