@@ -9,6 +9,7 @@ benchmark checks token for token.
 from __future__ import annotations
 
 import re
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -109,11 +110,13 @@ def test_lockstep_names_its_fixed_ks_and_splits_steps_by_kind():
 
 
 def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
-    """`regimes.py`: a row per process with a figure per run (the control's too), and a
-    summary whose count of processes that settled plain is the count of rows that say so."""
+    """`regimes.py`: a row per process with a figure per run (the control's and each fixed
+    K lane's too), "auto" over the process's best contender (K = 0 included) computed from
+    those figures' medians, and a summary whose counts (processes that settled plain, that
+    are within 3% of their best) are the counts of rows that say so."""
     proc = subprocess.run(
-        [sys.executable, "benchmarks/regimes.py", "--processes", "2", "--runs", "2"]
-        + ["--per-run", "1", "--max-tokens", "8"],
+        [sys.executable, "benchmarks/regimes.py", "--processes", "2", "--runs", "3"]
+        + ["--per-run", "1", "--max-tokens", "8", "--ks", "1,2"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -122,10 +125,20 @@ def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
+    shares = []
     for row in rows:
-        drafts, ratios, controls, plain = (c.strip() for c in row.strip("|").split("|")[1:])
-        assert len(drafts.split(", ")) == len(ratios.split(", ")) == len(controls.split(", ")) == 2
-        assert plain == ("yes" if float(drafts.split(", ")[-1]) < 0.2 else "no")
-    yes = sum(r.rstrip(" |").endswith("yes") for r in rows)
+        cells = [c.strip() for c in row.strip(" |").split("|")[1:]]
+        drafts, ratios, controls, plain, k1, k2, best = cells
+        runs = [[float(x) for x in c.split(", ")] for c in (drafts, ratios, controls, k1, k2)]
+        assert [len(r) for r in runs] == [3] * 5
+        assert plain == ("yes" if runs[0][-1] < 0.2 else "no")
+        share, which = re.fullmatch(r"([\d.]+) \((K=\d)\)", best).groups()
+        medians = {"K=0": 1.0, "K=1": statistics.median(runs[3]), "K=2": statistics.median(runs[4])}
+        assert which == max(medians, key=medians.get)
+        assert float(share) == pytest.approx(statistics.median(runs[1]) / medians[which], abs=2e-3)
+        shares.append(float(share))
+    yes = sum(r.rstrip(" |").split("|")[5].strip() == "yes" for r in rows)
     assert f"settled plain by the last run: {yes} of 2 processes" in proc.stdout
     assert "control / none median" in proc.stdout
+    within = sum(share >= 0.97 for share in shares)
+    assert f"best contender (K = 0 included) in {within} of 2 processes" in proc.stdout
