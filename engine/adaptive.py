@@ -49,6 +49,7 @@ from .policy import (
     ANCHOR_Z,
     BATCH_SIZES,
     DECAY,
+    DEPTH_MARGIN,
     EMA,
     EXPLORE_EVERY,
     EXPLORE_GAP,
@@ -497,6 +498,7 @@ class DraftController:
     prices: dict = field(default_factory=dict)
     prices_at: tuple = ()
     price_version: int = 0  # bumped when a shape is new to a live table: prices made before go
+    depth_margin: float = DEPTH_MARGIN  # (a field: benchmarks A/B it)
 
     @property
     def model_rows_draft(self) -> bool:
@@ -867,8 +869,13 @@ class DraftController:
             self.drafting[c] = False
             self._settle(*settle, may_probe=False)
             return 0
-        # The best K; the shorter one on a tie.
+        # The best K; the shorter one on a tie, and in a batch the shortest priced within
+        # depth_margin of it.
         best = max(range(1, k_max + 1), key=lambda k: (rates[k], -k))
+        top = rates[best]  # (whether drafting pays is judged at the best K's price)
+        if rows > 1:
+            margin = 1 + self.depth_margin
+            best = next(k for k in range(1, best + 1) if rates[k] * margin >= top)
         if any(r.free for r in auto) and not all(r.free for r in auto):
             # Some rows have a free (prompt-lookup) draft and the others would draft with
             # the draft model: drafting only the free ones may pay more (measured: a draft
@@ -884,14 +891,16 @@ class DraftController:
             if 0 < depth < best:
                 mixed, _ = self._rates(auto, fixed, k_max, rows, drafted_rows, warm, sync, depth)
                 k_mixed = max(range(depth, k_max + 1), key=lambda k: (mixed[k], -k))
-                if mixed[k_mixed] > rates[best]:
+                if mixed[k_mixed] > top:
                     rates, best, self.model_depth = mixed, k_mixed, depth
-            if alone[k_alone] > rates[best]:
+                    top = rates[best]
+            if alone[k_alone] > top:
                 rates, best, self.model_depth = alone, k_alone, 0
+                top = rates[best]
         elif not any(r.free for r in auto):
             self.model_k[c] = best
         free_step = not self.model_rows_draft or all(r.free for r in auto)
-        pays = rates[best] > bar and not self.speculation_lost(rows, free_step)
+        pays = top > bar and not self.speculation_lost(rows, free_step)
         if not pays and self._untried() and not self.speculation_lost(rows, free_step):
             # The pair has heard next to no drafts: its acceptance is PRIOR_ACCEPTANCE, a
             # guess, and K = 0 learns nothing (measured: a whole lockstep cell at 4 demo

@@ -117,6 +117,16 @@ PLAIN_FIRST, PLAIN_MAX = 2, 64
 #: hears, made plain look 15% dearer than it is, and drafting that lost 4% of plain's
 #: speed looked like a win.
 PLAIN_SETTLE = 2
+#: In a batch, the shortest K priced within this share of the best K's price drafts
+#: (whether to draft at all is judged at the best's). A deeper K costs a batch what no
+#: step's price holds (a heavier tail of slow steps; rows parting, which then join and
+#: run dry one at a time), and the K's prices are off by more than the K's differ
+#: (measured at 4 demo rows: priced 2-41% over their whole steps, by a different share
+#: at each K). Fresh processes at 4 demo rows, "auto" over each one's best fixed K,
+#: median of 8: 0.957 without (1 of 8 within 3%), 0.970-0.974 with (4-6 of 8); the
+#: widened pair at 4 rows, where K = 1 and 2 tie, 1.159-1.178 against 1.152-1.172.
+#: One row drafts the best K: its price holds no parting.
+DEPTH_MARGIN = 0.10
 #: While "auto" drafts at a batch-size class, a neighbouring K (one more or one fewer
 #: draft) whose step shape has not run there for EXPLORE_EVERY steps runs one step, at
 #: most one such step every EXPLORE_GAP steps, so that its pass price stays live.
