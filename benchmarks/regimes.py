@@ -28,6 +28,7 @@ import argparse
 import statistics
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import engine  # first: loads OpenBLAS before anything imports mlx
 
@@ -44,18 +45,19 @@ SETTLED = 0.2  # drafts a row-step under which a run counts as plain decoding
 WITHIN = 0.97  # "auto" over the best contender at or above this: within 3% of it
 
 
-LANES = (("auto", "model", "auto"), ("none", "none", 1), ("control", "none", 1))
+class Run(NamedTuple):
+    """One run of a process: "auto"'s drafts a row-step, and speeds over the plain lane's."""
+
+    drafts: float
+    auto: float
+    control: float
+    fixed: dict  # fixed K lane name -> its speed over the plain lane's
 
 
-def lanes_with(ks=()) -> tuple:
-    """LANES and a fixed K lane ("K=k", drafter "model") for each of `ks`."""
-    return LANES + tuple((f"K={k}", "model", k) for k in ks)
-
-
-def process(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=()) -> list[tuple]:
-    """One process: (auto's drafts a row-step, auto / none, control / none, {fixed K lane:
-    its speed / none}) for each run."""
-    specs = lanes_with(ks)
+def process(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=()) -> list[Run]:
+    """One process's runs: "auto", plain ("none"), the control and a lane per fixed K
+    (`lockstep.contenders`), stepped in lockstep."""
+    specs = lockstep.contenders(ks)
     own = {name: lockstep.own_pair(pair) for name, _, _ in specs}
     out = []
     for r in range(runs):
@@ -71,25 +73,37 @@ def process(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=()) -> li
             raise SystemExit("regimes: a drafting lane's greedy output differs from plain's")
         speed = {name: lane.tokens / lane.seconds for name, lane in lanes.items()}
         out.append(
-            (
+            Run(
                 auto.drafted / max(auto.row_steps, 1),
                 speed["auto"] / speed["none"],
                 speed["control"] / speed["none"],
-                {name: speed[name] / speed["none"] for name, _, _ in specs[len(LANES) :]},
+                {f"K={k}": speed[f"K={k}"] / speed["none"] for k in ks},
             )
         )
     return out
 
 
-def against_best(got: list[tuple]) -> tuple[float, str]:
+def against_best(got: list[Run]) -> tuple[float, str]:
     """(auto's median speed over the best contender's, that contender: "K=0" for plain
     decoding or a fixed K lane), each lane's speed the median over the process's runs."""
     medians = {"K=0": 1.0}
-    for name in got[0][3]:
-        medians[name] = statistics.median(fixed[name] for _, _, _, fixed in got)
+    for name in got[0].fixed:
+        medians[name] = statistics.median(run.fixed[name] for run in got)
     best = max(medians, key=medians.get)
-    auto = statistics.median(ratio for _, ratio, _, _ in got)
-    return auto / medians[best], best
+    return statistics.median(run.auto for run in got) / medians[best], best
+
+
+def draft_lengths(text: str) -> list[int]:
+    """`--ks`: comma-separated draft lengths of at least 1 ("" for none)."""
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from None
+    if any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"a fixed K is at least 1: {text!r}")
+    return ks
 
 
 def main(argv=None) -> int:
@@ -100,10 +114,10 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", type=int, default=8)
     ap.add_argument("--runs", type=int, default=3, help="runs per process")
     ap.add_argument("--max-tokens", type=int, default=64)
-    ap.add_argument("--ks", default="1,2", help='fixed K lanes ("" for none)')
+    ap.add_argument("--ks", type=draft_lengths, default=[1, 2], help='fixed K lanes ("" for none)')
     ap.add_argument("--cache", type=Path, default=pairs.CACHE)
     args = ap.parse_args(argv)
-    ks = [int(k) for k in args.ks.split(",") if k.strip()]
+    ks = args.ks
     demo = engine.load_pair(DEMO_TARGET, DEMO_DRAFT)
     pair = lockstep.named_pair(args.pair, demo, args.cache, 0)
     prompts = [ids for _, ids in prompt_sets.code_prompts(pair.tokenizer, 16, 48)]
@@ -113,7 +127,7 @@ def main(argv=None) -> int:
         f"# regimes: {args.pair} pair, {args.processes} processes of {args.runs} runs, batch "
         f"{args.batch}, {n} requests of {args.max_tokens} new tokens a run, greedy"
     )
-    fixed = [name for name, _, _ in lanes_with(ks)[len(LANES) :]]
+    fixed = [f"K={k}" for k in ks]
     print(
         "| process | auto drafts a row-step, each run | auto / none, each run "
         "| control / none, each run | settled plain |"
@@ -124,17 +138,17 @@ def main(argv=None) -> int:
     settled, ratios, controls, bests = 0, [], [], []
     for p in range(1, args.processes + 1):
         got = process(pair, ids_list, args.batch, args.runs, args.max_tokens, ks)
-        plain = got[-1][0] < SETTLED
+        plain = got[-1].drafts < SETTLED
         settled += plain
-        ratios += [ratio for _, ratio, _, _ in got]
-        controls += [control for _, _, control, _ in got]
+        ratios += [run.auto for run in got]
+        controls += [run.control for run in got]
         row = (
-            f"| {p} | {', '.join(f'{d:.2f}' for d, _, _, _ in got)} | "
-            f"{', '.join(f'{r:.3f}' for _, r, _, _ in got)} | "
-            f"{', '.join(f'{c:.3f}' for _, _, c, _ in got)} | {'yes' if plain else 'no'} |"
+            f"| {p} | {', '.join(f'{run.drafts:.2f}' for run in got)} | "
+            f"{', '.join(f'{run.auto:.3f}' for run in got)} | "
+            f"{', '.join(f'{run.control:.3f}' for run in got)} | {'yes' if plain else 'no'} |"
         )
         for name in fixed:
-            row += f" {', '.join(f'{f[name]:.3f}' for _, _, _, f in got)} |"
+            row += f" {', '.join(f'{run.fixed[name]:.3f}' for run in got)} |"
         if ks:
             share, best = against_best(got)
             bests.append(share)
