@@ -20,11 +20,21 @@ was. The summary counts the processes where "auto" is within 3% of it (issue 23'
 met process by process, not only in one process's medians).
 
     python benchmarks/regimes.py --ks 1,2,3 --processes 8 --runs 4
+
+`--ab FIELD=VALUE,...` adds a second "auto" lane ("auto B") whose copy of the controller has
+those fields set (say `explore_burst=0,fit_ageing=false`: the engine without a change the
+fields switch off), stepped in lockstep with the others: a same-process A/B. Each row then
+shows its drafts and speed per run, and the summary gives "auto B" over "auto" paired run
+by run (geometric mean and its standard error) and how many of its processes settled plain.
+
+    python benchmarks/regimes.py --ab explore_burst=0,fit_ageing=false --processes 12 --runs 4
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -33,6 +43,7 @@ from typing import NamedTuple
 import engine  # first: loads OpenBLAS before anything imports mlx
 
 # isort: split
+from engine.adaptive import DraftController
 from engine.loading import DEMO_DRAFT, DEMO_TARGET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -52,13 +63,19 @@ class Run(NamedTuple):
     auto: float
     control: float
     fixed: dict  # fixed K lane name -> its speed over the plain lane's
+    ab: tuple | None = None  # ("auto B"'s drafts a row-step, its speed over plain's) or None
 
 
-def process(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=()) -> list[Run]:
+def process(
+    pair, ids_list, batch: int, runs: int, max_tokens: int, ks=(), ab: dict | None = None
+) -> list[Run]:
     """One process's runs: "auto", plain ("none"), the control and a lane per fixed K
-    (`lockstep.contenders`), stepped in lockstep."""
-    specs = lockstep.contenders(ks)
+    (`lockstep.contenders`), and with `ab` (controller fields) an "auto B" lane whose
+    controller has them set, stepped in lockstep."""
+    specs = lockstep.contenders(ks) + ((("auto B", "model", "auto"),) if ab else ())
     own = {name: lockstep.own_pair(pair) for name, _, _ in specs}
+    for name, value in (ab or {}).items():
+        setattr(own["auto B"].controller, name, value)
     out = []
     for r in range(runs):
         lanes = {
@@ -78,6 +95,12 @@ def process(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=()) -> li
                 speed["auto"] / speed["none"],
                 speed["control"] / speed["none"],
                 {f"K={k}": speed[f"K={k}"] / speed["none"] for k in ks},
+                (
+                    lanes["auto B"].drafted / max(lanes["auto B"].row_steps, 1),
+                    speed["auto B"] / speed["none"],
+                )
+                if ab
+                else None,
             )
         )
     return out
@@ -106,6 +129,37 @@ def draft_lengths(text: str) -> list[int]:
     return ks
 
 
+def controller_fields(text: str) -> dict:
+    """`--ab`: comma-separated FIELD=VALUE of adaptive.DraftController (numbers, or true /
+    false)."""
+    known = {f.name for f in dataclasses.fields(DraftController)}
+    out = {}
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or name not in known:
+            raise argparse.ArgumentTypeError(
+                f"not a controller field=value: {item!r} (fields: {', '.join(sorted(known))})"
+            )
+        if value.lower() in ("true", "false"):
+            out[name] = value.lower() == "true"
+            continue
+        try:
+            out[name] = float(value) if any(c in value for c in ".e") else int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{name}: not a number or true/false: {value!r}"
+            ) from None
+    return out
+
+
+def paired(runs: list[Run]) -> tuple[float, float]:
+    """ "auto B" over "auto" paired run by run: (geometric mean, its standard error as a
+    share), over every run given."""
+    logs = [math.log(run.ab[1] / run.auto) for run in runs]
+    error = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
+    return math.exp(statistics.mean(logs)), error
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--pair", default="demo", choices=("demo", "random"))
@@ -115,9 +169,12 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=3, help="runs per process")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--ks", type=draft_lengths, default=[1, 2], help='fixed K lanes ("" for none)')
+    ap.add_argument(
+        "--ab", type=controller_fields, default={}, help="FIELD=VALUE,... of an auto B lane"
+    )
     ap.add_argument("--cache", type=Path, default=pairs.CACHE)
     args = ap.parse_args(argv)
-    ks = args.ks
+    ks, ab = args.ks, args.ab
     demo = engine.load_pair(DEMO_TARGET, DEMO_DRAFT)
     pair = lockstep.named_pair(args.pair, demo, args.cache, 0)
     prompts = [ids for _, ids in prompt_sets.code_prompts(pair.tokenizer, 16, 48)]
@@ -133,11 +190,15 @@ def main(argv=None) -> int:
         "| control / none, each run | settled plain |"
         + "".join(f" {name} / none, each run |" for name in fixed)
         + (" auto / best (which) |" if ks else "")
+        + (" auto B drafts a row-step, each run | auto B / none, each run |" if ab else "")
     )
-    print("|---" * (5 + len(fixed) + bool(ks)) + "|")
-    settled, ratios, controls, bests = 0, [], [], []
+    print("|---" * (5 + len(fixed) + bool(ks) + 2 * bool(ab)) + "|")
+    if ab:
+        print(f"# auto B: {', '.join(f'{k}={v}' for k, v in ab.items())}")
+    settled, ratios, controls, bests, every, settled_b = 0, [], [], [], [], 0
     for p in range(1, args.processes + 1):
-        got = process(pair, ids_list, args.batch, args.runs, args.max_tokens, ks)
+        got = process(pair, ids_list, args.batch, args.runs, args.max_tokens, ks, ab)
+        every += got
         plain = got[-1].drafts < SETTLED
         settled += plain
         ratios += [run.auto for run in got]
@@ -153,6 +214,10 @@ def main(argv=None) -> int:
             share, best = against_best(got)
             bests.append(share)
             row += f" {share:.3f} ({best}) |"
+        if ab:
+            settled_b += got[-1].ab[0] < SETTLED
+            row += f" {', '.join(f'{run.ab[0]:.2f}' for run in got)} |"
+            row += f" {', '.join(f'{run.ab[1]:.3f}' for run in got)} |"
         print(row, flush=True)
 
     def spread(values: list[float]) -> str:
@@ -167,6 +232,13 @@ def main(argv=None) -> int:
         print(
             f"auto within 3% of its process's best contender (K = 0 included) in {within} of "
             f"{args.processes} processes; auto / best {spread(bests)}"
+        )
+    if ab:
+        mean, error = paired(every)
+        print(
+            f"auto B / auto, paired by run: geometric mean {mean:.3f} +- {error:.3f} over "
+            f"{len(every)} runs; auto B settled plain by the last run in {settled_b} of "
+            f"{args.processes} processes"
         )
     return 0
 
