@@ -125,10 +125,7 @@ class DepthFit:
     def add(self, depth: int, seconds: float) -> None:
         if self.ready():  # one slow step (a load burst) moves the line as far as OUTLIER
             seconds = _clip(seconds, self(depth))
-        for name in ("weight", "k", "kk", "t", "kt"):
-            setattr(self, name, getattr(self, name) * FIT_DECAY)
-        for d in self.depths:
-            self.depths[d] *= FIT_DECAY
+        self.age()
         self.weight += 1.0
         self.k += depth
         self.kk += depth * depth
@@ -137,9 +134,10 @@ class DepthFit:
         self.depths[depth] = self.depths.get(depth, 0.0) + 1.0
 
     def age(self) -> None:
-        """A step at these rows that added no sample (a plain one) ages the line as one
-        that did: a line left from a stretch of drafting is forgotten over a stretch of
-        plain decoding, not kept to price drafting for good."""
+        """Decay every step so far by FIT_DECAY: on each step added, and on a plain step at
+        these rows (`DraftController.observe_step`), so that a line left from a stretch of
+        drafting is forgotten over a stretch of plain decoding, not kept to price drafting
+        for good."""
         for name in ("weight", "k", "kk", "t", "kt"):
             setattr(self, name, getattr(self, name) * FIT_DECAY)
         for d in self.depths:
@@ -936,6 +934,7 @@ class DraftController:
         if pays:
             self.steps_since_probe[c] = 0
             self.untimed.pop(c, None)
+            self.burst = None
             group = (self.realized_free if free_step else self.realized).setdefault(c, Realized())
             if self._plain_check(group):
                 return 0

@@ -924,7 +924,8 @@ def test_a_k0_priced_on_depths_never_timed_here_times_them_in_bursts(monkeypatch
     # drafting ones, so a line from long ago is timed again; each burst that leaves K = 0
     # standing doubles the wait for the next. None where the K's are priced far under
     # plain, nor where drafts would hardly pass. (Mutations: no burst -> the first
-    # assertion; no ageing -> no second burst; no doubling -> bursts every EXPLORE_EVERY.)
+    # assertion; no ageing -> no second burst; no doubling -> bursts every EXPLORE_EVERY;
+    # the wait not started over where drafting pays -> no burst after it.)
     ctl = _optimist()
     table = {"r": [1.0, 0.95, 0.93, 0.9]}  # drafting priced near plain, not past it
     monkeypatch.setattr(
@@ -965,6 +966,11 @@ def test_a_k0_priced_on_depths_never_timed_here_times_them_in_bursts(monkeypatch
     ks += run(every * 14)
     starts = [i for i, k in enumerate(ks) if k and (i == 0 or not ks[i - 1])]
     assert [s - starts[0] for s in starts] == [0, 4 * every, 12 * every]  # waits doubling
+    table["r"] = [1.0, 1.1, 1.0, 0.9]  # drafting pays: the wait starts over
+    assert run(1) == [1]
+    table["r"] = [1.0, 0.95, 0.93, 0.9]
+    ctl.fits.clear()
+    assert run(burst) == [1] * burst  # at once: no line, and no wait
     ctl.fits.clear()
     ctl.untimed.clear()
     table["r"] = [1.0, 0.8, 0.78, 0.75]  # every K far under plain: no burst
