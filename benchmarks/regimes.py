@@ -22,12 +22,12 @@ met process by process, not only in one process's medians).
     python benchmarks/regimes.py --ks 1,2,3 --processes 8 --runs 4
 
 `--ab FIELD=VALUE,...` adds a second "auto" lane ("auto B") whose copy of the controller has
-those fields set (say `explore_burst=0,fit_ageing=false`: the engine without a change the
-fields switch off), stepped in lockstep with the others: a same-process A/B. Each row then
+those fields set (say `depth_margin=0`: the engine without stop 42's shorter K in a batch;
+numbers, or true / false), stepped in lockstep with the others: a same-process A/B. Each row then
 shows its drafts and speed per run, and the summary gives "auto B" over "auto" paired run
 by run (geometric mean and its standard error) and how many of its processes settled plain.
 
-    python benchmarks/regimes.py --ab explore_burst=0,fit_ageing=false --processes 12 --runs 4
+    python benchmarks/regimes.py --ab depth_margin=0.0 --processes 12 --runs 4
 """
 
 from __future__ import annotations

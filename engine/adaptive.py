@@ -51,11 +51,8 @@ from .policy import (
     DECAY,
     DEPTH_MARGIN,
     EMA,
-    EXPLORE_BURST,
-    EXPLORE_BURST_MAX,
     EXPLORE_EVERY,
     EXPLORE_GAP,
-    EXPLORE_NEAR,
     FIT_DECAY,
     FIT_DEPTHS,
     FIT_WEIGHT,
@@ -125,23 +122,16 @@ class DepthFit:
     def add(self, depth: int, seconds: float) -> None:
         if self.ready():  # one slow step (a load burst) moves the line as far as OUTLIER
             seconds = _clip(seconds, self(depth))
-        self.age()
+        for name in ("weight", "k", "kk", "t", "kt"):
+            setattr(self, name, getattr(self, name) * FIT_DECAY)
+        for d in self.depths:
+            self.depths[d] *= FIT_DECAY
         self.weight += 1.0
         self.k += depth
         self.kk += depth * depth
         self.t += seconds
         self.kt += depth * seconds
         self.depths[depth] = self.depths.get(depth, 0.0) + 1.0
-
-    def age(self) -> None:
-        """Decay every step so far by FIT_DECAY: on each step added, and on a plain step at
-        these rows (`DraftController.observe_step`), so that a line left from a stretch of
-        drafting is forgotten over a stretch of plain decoding, not kept to price drafting
-        for good."""
-        for name in ("weight", "k", "kk", "t", "kt"):
-            setattr(self, name, getattr(self, name) * FIT_DECAY)
-        for d in self.depths:
-            self.depths[d] *= FIT_DECAY
 
     def ready(self) -> bool:
         return sum(w >= FIT_WEIGHT for w in self.depths.values()) >= FIT_DEPTHS
@@ -509,12 +499,6 @@ class DraftController:
     prices_at: tuple = ()
     price_version: int = 0  # bumped when a shape is new to a live table: prices made before go
     depth_margin: float = DEPTH_MARGIN  # (a field: benchmarks A/B it)
-    # size class -> (`now` of its last untimed burst, steps before the next may run)
-    untimed: dict = field(default_factory=dict)
-    burst: tuple | None = None  # (rows, K, steps left) of an untimed depth's burst
-    # (Fields: benchmarks A/B them. 0 and False: no bursts; plain steps do not age the line.)
-    explore_burst: int = EXPLORE_BURST
-    fit_ageing: bool = True
 
     @property
     def model_rows_draft(self) -> bool:
@@ -933,8 +917,6 @@ class DraftController:
                 self._probe_failed(self.probe_rows, drafted_rows)
         if pays:
             self.steps_since_probe[c] = 0
-            self.untimed.pop(c, None)
-            self.burst = None
             group = (self.realized_free if free_step else self.realized).setdefault(c, Realized())
             if self._plain_check(group):
                 return 0
@@ -943,11 +925,6 @@ class DraftController:
                 if not any(r.free for r in auto):
                     self.held, self.held_left = (hold, k), HELD_STEPS - 1
             return k
-        no_free = not any(r.free for r in auto)
-        if no_free and drafted_rows == rows and not self.speculation_lost(rows):
-            k = self._explore_untimed(auto, c, rows, k_max, rates, bar)
-            if k:
-                return k
         # Speculation does not pay at today's acceptance (or the guard stopped it):
         # probe now and then so acceptance stays measured, less often after each
         # failed probe.
@@ -1012,40 +989,6 @@ class DraftController:
         if self.now - seen[k] < EXPLORE_EVERY:
             return best
         self.explored[size_class] = self.now
-        return k
-
-    def _explore_untimed(self, auto, size_class: int, rows: int, k_max: int, rates, bar) -> int:
-        """A depth to run where K = 0 was priced on depths not timed lately at this batch
-        size (policy.EXPLORE_NEAR): the shallowest with fewer than FIT_WEIGHT decayed steps
-        on the depth line, where its drafts would add a share of a token a row that a price
-        could pay for; 0: none (plain decoding). It runs `explore_burst` steps in a row (the
-        first reads what the draft model missed while the rows ran plain, and is no
-        sample), and each burst doubles the wait for the next at its size class
-        (EXPLORE_EVERY up to EXPLORE_BURST_MAX; a pricing where drafting pays starts it
-        over)."""
-        burst = self.burst
-        if burst is not None and burst[0] == rows and burst[2] > 0:
-            self.burst = (rows, burst[1], burst[2] - 1)
-            return burst[1]
-        self.burst = None
-        if not self.explore_burst or self.block or max(rates[1:]) < EXPLORE_NEAR * bar:
-            return 0
-        last, wait = self.untimed.get(size_class, (-EXPLORE_EVERY, EXPLORE_EVERY))
-        if self.now - last < wait:
-            return 0
-        fit = self.fits.get(rows)
-        if fit is not None and fit.ready():
-            return 0
-        depths = fit.depths if fit is not None else {}
-        k = next((d for d in range(1, k_max + 1) if depths.get(d, 0.0) < FIT_WEIGHT), 0)
-        if not k:
-            return 0
-        # Drafts that would hardly add a token a row (acceptance near 0) pay at no price.
-        gain = sum(expected_tokens(r.acceptance, min(k, r.cap)) for r in auto) / len(auto)
-        if gain < 1.0 / EXPLORE_NEAR:
-            return 0
-        self.untimed[size_class] = (self.now, min(2 * wait, EXPLORE_BURST_MAX))
-        self.burst = (rows, k, self.explore_burst - 1)
         return k
 
     def reuse_settled(self, key, offer: tuple[int, int], rows: int) -> int | None:
@@ -1239,8 +1182,6 @@ class DraftController:
             # (A step whose draft seconds are no sample, 0: its first pass also read a
             # backlog, `policy.DraftPolicy.observe`, is none of the line's either.)
             self.fits.setdefault(rows, DepthFit()).add(depth, verify_s + draft_s)
-        elif width == 1 and self.fit_ageing and rows in self.fits:
-            self.fits[rows].age()
         if depth and drafted_rows and self.draft is not None and draft_s > 0:
             depth = 1 if self.block else depth
             self.draft.observe(drafted_rows, draft_s / depth)

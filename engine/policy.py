@@ -131,29 +131,13 @@ DEPTH_MARGIN = 0.10
 #: draft) whose step shape has not run there for EXPLORE_EVERY steps runs one step, at
 #: most one such step every EXPLORE_GAP steps, so that its pass price stays live.
 EXPLORE_EVERY, EXPLORE_GAP = 64, 16
-#: Where "auto" settles K = 0 at a batch size whose depth line is not fitted (fewer than
-#: FIT_DEPTHS depths timed there lately), and some K is priced within EXPLORE_NEAR of
-#: plain decoding, the shallowest depth not timed runs EXPLORE_BURST steps in a row: an
-#: untimed depth's price is an extrapolation from another, or from steps long gone, and
-#: probes time no step, so a K = 0 decided on it stood for good (measured at 4 demo rows,
-#: 8 requests a run: 2-3 fresh processes of 8-12 settled plain where K = 2 ran 1.09-1.19x
-#: plain; K = 2 priced 8.5 ms where it ran at 7.1, K = 1 14.8 where it ran at 10-14). In a
-#: burst the first step reads what the draft model missed while the rows ran plain and
-#: is no sample; the others give the line FIT_WEIGHT steps. The first burst at a
-#: batch-size class may run at once; each after which K = 0 still stands doubles the
-#: wait for the next, from EXPLORE_EVERY steps up to EXPLORE_BURST_MAX, and a pricing
-#: where drafting pays starts it over (where K = 0 is right, bursts, and the backlog each
-#: first reads, grow rare).
-EXPLORE_NEAR, EXPLORE_BURST, EXPLORE_BURST_MAX = 0.85, 4, 512
 #: A drafting shape's price relative to the plain pass (adaptive.live_relative) is
 #: learnt only from steps within this many steps of a live plain step at that batch size.
 RELATIVE_FRESH = 64
 #: Where every row of a batch size drafts by the draft model, a step's draft and verify
 #: seconds are fitted against its depth (adaptive.DepthFit), each step decaying the older
-#: by FIT_DECAY, a plain step there too (a line left from drafting long ago, at another
-#: context or load, is forgotten over a plain stretch, not kept to price drafting out for
-#: good); the line prices every K there once FIT_DEPTHS depths have run with at least
-#: FIT_WEIGHT decayed steps each.
+#: by FIT_DECAY; the line prices every K there once FIT_DEPTHS depths have run with at
+#: least FIT_WEIGHT decayed steps each.
 FIT_DECAY, FIT_DEPTHS, FIT_WEIGHT = 0.98, 2, 2.0
 #: Steps a K = 0 decision is reused unpriced while the batch summary stays the same
 #: (pricing costs about a tenth of a small model's decode step).

@@ -69,16 +69,6 @@ def _schedule(monkeypatch, ctl: DraftController, ks: list[int], then: int) -> No
     monkeypatch.setattr(ctl, "choose_batch_k", scheduled)
 
 
-def _fitted(ctl: DraftController, rows: int = 4) -> DraftController:
-    """The controller with a depth line timed at two depths at `rows` rows: a K = 0 there
-    stands on timed prices, and no untimed depth's burst runs (a test of its own)."""
-    fit = ctl.fits.setdefault(rows, adaptive.DepthFit())
-    for depth in (1, 2) * 3:
-        fit.add(depth, 0.003 + 0.001 * depth)
-    assert fit.ready()
-    return ctl
-
-
 def _drafting_steps(ctl: DraftController, steps: int, emitted: int) -> int:
     """Steps of 4 rows that drafted (probes aside), each 3 ms: a plain one emits 4 tokens,
     a drafting one `emitted`."""
@@ -855,7 +845,7 @@ def test_drafting_starts_past_the_margin_and_goes_on_while_it_pays_at_all(monkey
     # and goes on while it beats it at all. (Mutation: MARGIN both ways, as before -> the
     # 2% step below settles K = 0; measured at 4 demo rows: stretches of 100+ plain steps
     # where K = 1 ran 1.07x plain.)
-    ctl = _fitted(_optimist())
+    ctl = _optimist()
     ahead = {"by": 0.02}
 
     def rates(auto, fixed, k_max, *a, **kw):
@@ -915,78 +905,13 @@ def test_in_a_batch_the_shortest_k_priced_near_the_best_drafts(monkeypatch):
     assert drafted_k(4) == 3
 
 
-def test_a_k0_priced_on_depths_never_timed_here_times_them_in_bursts(monkeypatch):
-    # A K = 0 decided on a depth line that has timed one depth prices every other K by
-    # extrapolation, and probes (one row, one draft) time no step: that K = 0 stood for
-    # good (measured at 4 demo rows: K = 2 priced 8.5 ms where it runs at 7.1; 1-3
-    # fresh processes of 8 settled plain where K = 2 ran 1.09-1.15x). So a depth not yet
-    # timed runs EXPLORE_BURST steps in a row; the line ages over plain steps as over
-    # drafting ones, so a line from long ago is timed again; each burst that leaves K = 0
-    # standing doubles the wait for the next. None where the K's are priced far under
-    # plain, nor where drafts would hardly pass. (Mutations: no burst -> the first
-    # assertion; no ageing -> no second burst; no doubling -> bursts every EXPLORE_EVERY;
-    # the wait not started over where drafting pays -> no burst after it.)
-    ctl = _optimist()
-    table = {"r": [1.0, 0.95, 0.93, 0.9]}  # drafting priced near plain, not past it
-    monkeypatch.setattr(
-        ctl,
-        "_rates",
-        lambda auto, fixed, k_max, *a, **kw: (
-            (table["r"] + [0.5] * k_max)[: k_max + 1],
-            [10.0] * (k_max + 1),
-        ),
-    )
-    for _ in range(3):  # a live plain price, and a line that has timed depth 1 alone
-        ctl.observe_step(4, 1, 0.003, 0, 0, 0.0)
-    for _ in range(4):
-        ctl.observe_step(4, 2, 0.004, 1, 4, 0.002)
-    assert not ctl.fits[4].ready()
-    state = {"depth": 0}
-
-    def run(steps: int, acceptance: float = 0.9) -> list[int]:
-        ks = []
-        for _ in range(steps):
-            k = ctl.choose_batch_k(_rows(4, acceptance), [], 4)
-            k = 0 if ctl.probing else k
-            ks.append(k)
-            # A burst's first step reads the backlog of the plain steps: no sample.
-            draft_s = 0.0 if k != state["depth"] else 0.002 + 0.001 * k
-            ctl.observe_step(4, k + 1, 0.003 + 0.0005 * k, k, 4 if k else 0, draft_s)
-            ctl.observe_realized(4, 0.003, 4 * (1 + k), k > 0)
-            state["depth"] = k
-        return ks
-
-    burst, every = policy.EXPLORE_BURST, policy.EXPLORE_EVERY
-    ks = run(burst)
-    assert ks == [2] * burst  # the shallowest depth untimed
-    assert ctl.fits[4].ready()
-    ks = run(2 * every - burst)
-    assert sum(ks) == 0
-    assert not ctl.fits[4].ready()  # aged
-    ks += run(every * 14)
-    starts = [i for i, k in enumerate(ks) if k and (i == 0 or not ks[i - 1])]
-    assert [s - starts[0] for s in starts] == [0, 4 * every, 12 * every]  # waits doubling
-    table["r"] = [1.0, 1.1, 1.0, 0.9]  # drafting pays: the wait starts over
-    assert run(1) == [1]
-    table["r"] = [1.0, 0.95, 0.93, 0.9]
-    ctl.fits.clear()
-    assert run(burst) == [1] * burst  # at once: no line, and no wait
-    ctl.fits.clear()
-    ctl.untimed.clear()
-    table["r"] = [1.0, 0.8, 0.78, 0.75]  # every K far under plain: no burst
-    assert sum(run(2 * every)) == 0
-    table["r"] = [1.0, 0.95, 0.93, 0.9]
-    assert sum(run(2 * every, acceptance=0.02)) == 0  # drafts hardly pass
-    assert sum(run(2 * every)) > 0
-
-
 def test_a_pair_that_has_heard_no_drafts_drafts_until_it_has(monkeypatch):
     # Before a pair's drafts are heard its acceptance is PRIOR_ACCEPTANCE, a guess; where
     # that guess prices drafting just under plain decoding, K = 0 would learn nothing and
     # stand. So until UNTRIED_TRIALS trials are heard, "auto" drafts (the guard
     # permitting); then the prices rule. (Mutation: no such trial -> K = 0 throughout;
     # measured: a whole lockstep cell at 4 demo rows ran plain where K = 1 ran 1.07x.)
-    ctl = _fitted(_optimist())
+    ctl = _optimist()
     monkeypatch.setattr(
         ctl, "_rates", lambda auto, fixed, k_max, *a, **kw: ([1.0] + [0.98] * k_max, [10.0] * 9)
     )

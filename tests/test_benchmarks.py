@@ -119,7 +119,7 @@ def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
     proc = subprocess.run(
         [sys.executable, "benchmarks/regimes.py", "--processes", "2", "--runs", "3"]
         + ["--per-run", "1", "--max-tokens", "8", "--ks", "1,2"]
-        + ["--ab", "explore_burst=0,fit_ageing=false"],
+        + ["--ab", "depth_margin=0.05,block=false"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -150,7 +150,7 @@ def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
     assert "control / none median" in proc.stdout
     within = sum(share >= 0.97 for share in shares)
     assert f"best contender (K = 0 included) in {within} of 2 processes" in proc.stdout
-    assert "# auto B: explore_burst=0, fit_ageing=False" in proc.stdout
+    assert "# auto B: depth_margin=0.05, block=False" in proc.stdout
     mean = re.search(r"auto B / auto, paired by run: geometric mean ([\d.]+) \+- ", proc.stdout)
     assert float(mean.group(1)) == pytest.approx(math.exp(statistics.mean(logs)), abs=3e-3)
     assert f"over 6 runs; auto B settled plain by the last run in {settled_b} of 2" in proc.stdout
