@@ -76,6 +76,11 @@ class Lane:
     def seconds(self) -> float:
         return sum(seconds for _, seconds, _ in self.kinds.values())
 
+    @property
+    def drafts(self) -> float:
+        """Tokens drafted a row-step."""
+        return self.drafted / max(self.row_steps, 1)
+
     def step(self) -> None:
         t0 = time.perf_counter()
         before = len(self.runs)
@@ -188,7 +193,7 @@ def cell(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=(1, 2)) -> d
             tps = lane.tokens / lane.seconds
             out[name]["tps"].append(tps)
             out[name]["ratio"].append(tps / base)
-            out[name]["drafts"].append(lane.drafted / max(lane.row_steps, 1))
+            out[name]["drafts"].append(lane.drafts)
             out[name]["plain_s"] += lane.plain_steps
             out[name]["kinds"].append(lane.kinds)
     return out

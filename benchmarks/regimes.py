@@ -63,7 +63,8 @@ class Run(NamedTuple):
     auto: float
     control: float
     fixed: dict  # fixed K lane name -> its speed over the plain lane's
-    ab: tuple | None = None  # ("auto B"'s drafts a row-step, its speed over plain's) or None
+    ab_drafts: float | None = None  # "auto B"'s drafts a row-step (None: no "auto B" lane)
+    ab: float | None = None  # "auto B"'s speed over the plain lane's
 
 
 def process(
@@ -91,16 +92,12 @@ def process(
         speed = {name: lane.tokens / lane.seconds for name, lane in lanes.items()}
         out.append(
             Run(
-                auto.drafted / max(auto.row_steps, 1),
+                auto.drafts,
                 speed["auto"] / speed["none"],
                 speed["control"] / speed["none"],
                 {f"K={k}": speed[f"K={k}"] / speed["none"] for k in ks},
-                (
-                    lanes["auto B"].drafted / max(lanes["auto B"].row_steps, 1),
-                    speed["auto B"] / speed["none"],
-                )
-                if ab
-                else None,
+                lanes["auto B"].drafts if ab else None,
+                speed["auto B"] / speed["none"] if ab else None,
             )
         )
     return out
@@ -155,7 +152,7 @@ def controller_fields(text: str) -> dict:
 def paired(runs: list[Run]) -> tuple[float, float]:
     """ "auto B" over "auto" paired run by run: (geometric mean, its standard error as a
     share), over every run given."""
-    logs = [math.log(run.ab[1] / run.auto) for run in runs]
+    logs = [math.log(run.ab / run.auto) for run in runs]
     error = statistics.stdev(logs) / math.sqrt(len(logs)) if len(logs) > 1 else float("nan")
     return math.exp(statistics.mean(logs)), error
 
@@ -215,9 +212,9 @@ def main(argv=None) -> int:
             bests.append(share)
             row += f" {share:.3f} ({best}) |"
         if ab:
-            settled_b += got[-1].ab[0] < SETTLED
-            row += f" {', '.join(f'{run.ab[0]:.2f}' for run in got)} |"
-            row += f" {', '.join(f'{run.ab[1]:.3f}' for run in got)} |"
+            settled_b += got[-1].ab_drafts < SETTLED
+            row += f" {', '.join(f'{run.ab_drafts:.2f}' for run in got)} |"
+            row += f" {', '.join(f'{run.ab:.3f}' for run in got)} |"
         print(row, flush=True)
 
     def spread(values: list[float]) -> str:
