@@ -162,3 +162,35 @@ def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
         timeout=60,
     )
     assert bad.returncode == 2 and "not a controller field=value: 'no_such_field=1'" in bad.stderr
+
+
+def test_positions_reports_acceptance_by_draft_position_for_each_k():
+    """`positions.py`: a row per (requests, K), K = 1 added when not asked for; each row's
+    tokens a row-step are 1 plus the products of its acceptance by position (each given
+    the positions before it passed), and its prediction is the one-rate E(K) at K = 1's
+    rate on the same requests."""
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/positions.py", "--per-run", "1,2", "--ks", "2,3"]
+        + ["--max-tokens", "12"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \| \d \|", line)]
+    cells = [[c.strip() for c in row.strip(" |").split("|")] for row in rows]
+    assert [(c[0], c[1]) for c in cells] == [(n, k) for n in ("4", "8") for k in ("1", "2", "3")]
+    rate = None
+    for _, k, steps, tokens, predicted, over, by_position in cells:
+        assert int(steps) > 0
+        rates = [float(r) for r in by_position.split(", ")]
+        assert len(rates) == int(k)
+        reach, total = 1.0, 1.0
+        for r in rates:
+            reach *= r
+            total += reach
+        assert float(tokens) == pytest.approx(total, abs=3e-3)
+        rate = rates[0] if k == "1" else rate
+        assert float(predicted) == pytest.approx(sum(rate**j for j in range(int(k) + 1)), abs=3e-3)
+        assert float(over) == pytest.approx(float(tokens) / float(predicted), abs=3e-3)
