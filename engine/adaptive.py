@@ -499,6 +499,7 @@ class DraftController:
     prices_at: tuple = ()
     price_version: int = 0  # bumped when a shape is new to a live table: prices made before go
     depth_margin: float = DEPTH_MARGIN  # (a field: benchmarks A/B it)
+    held_steps: int = HELD_STEPS  # (a field: benchmarks A/B it)
 
     @property
     def model_rows_draft(self) -> bool:
@@ -923,7 +924,7 @@ class DraftController:
             k = self._explore(c, rows, best, k_max, rates)
             if hold is not None and k == best and self.model_rows_draft:
                 if not any(r.free for r in auto):
-                    self.held, self.held_left = (hold, k), HELD_STEPS - 1
+                    self.held, self.held_left = (hold, k), self.held_steps - 1
             return k
         # Speculation does not pay at today's acceptance (or the guard stopped it):
         # probe now and then so acceptance stays measured, less often after each
@@ -938,8 +939,16 @@ class DraftController:
         pair = self.acceptance.get("model")
         return pair is not None and pair.trials < PRIOR_WEIGHT + UNTRIED_TRIALS
 
+    def reuse_held(self, hold, rows: int) -> int | None:
+        """`_reuse_held` for a batch none of whose rows can have a free draft, asked before
+        its rows are read (`policy.DraftPolicy.choose`): the held K, 0 (a plain check) or
+        None (price this step: `choose_batch_k`). Call after `reuse_settled`."""
+        if self.held is None:
+            return None
+        return self._reuse_held(hold, (), rows)
+
     def _reuse_held(self, hold, auto: list[AutoRow], rows: int) -> int | None:
-        """The K of the last drafting decision, unpriced, for up to HELD_STEPS steps
+        """The K of the last drafting decision, unpriced, for up to `held_steps` steps
         while the batch (`hold`) is the same and no row has a free draft (those change
         what pays from step to step); None: price this step. The guard still rules every
         step: a lost verdict ends the hold, a plain check due runs plain."""

@@ -146,9 +146,12 @@ SETTLED_STEPS = 16
 #: shape is new to its live timings: a sample moves a price by LIVE_EMA, so a price a few
 #: steps old is as good, and pricing every K every step cost 1-2% of a 4-row demo step.
 PRICE_STEPS = 4
-#: Steps a drafting decision (K > 0) is used, priced on the first only, while the batch's
-#: rows stay the same and none has a free draft: pricing is most of what "auto" adds to
-#: a step (measured at 4 demo rows: ~0.2 ms of a 6.5 ms step, and K changed on few steps).
+#: Steps a drafting decision (K > 0) is used, priced on the first only, while the batch
+#: keeps its size and none of its rows has a free draft: pricing is most of what "auto"
+#: adds to a step (measured at 4 demo rows: ~0.2 ms of a 6.5 ms step, and K changed on
+#: few steps). Rows changing do not end it: at 4 demo rows a row leaves and another joins
+#: every ~10 steps. (16 steps cut choosing from ~60 to ~30 us a step there, and held K =
+#: 2 where 4 re-priced to K = 1: 1.020 +- 0.012 slower paired, not kept.)
 HELD_STEPS = 4
 #: A reused K = 0 is priced again before then only if the rows' free (prompt-lookup)
 #: drafts grow past what was priced by more than this share (at least one row and two
@@ -279,9 +282,15 @@ class DraftPolicy:
             return [Choice() for _ in rows]
         k = None
         if mix == "greedy":
-            k = self.controller.reuse_settled(self._key(()), self._offer(), len(rows))
+            ctl = self.controller
+            k = ctl.reuse_settled(self._key(()), self._offer(), len(rows))
             if k == 0:  # the usual step where speculation does not pay
                 return [Choice() for _ in rows]
+            if k is None and not self._lookups and len(rows) > HYBRID_MAX_ROWS:
+                # No row can have a free draft: a held K needs no row read but its budget.
+                held = ctl.reuse_held(self._hold(rows, ()), len(rows))
+                if held is not None:
+                    return [self._held(row, held) for row in rows]
         choices = [Choice() for _ in rows]
         auto, fixed, auto_rows = [], [], []
         hybrid = len(rows) <= HYBRID_MAX_ROWS  # model rows take lookup drafts too
@@ -324,6 +333,21 @@ class DraftPolicy:
             self._choose_auto(auto, fixed, auto_rows, rows, k)
         return choices
 
+    @staticmethod
+    def _held(row, k: int) -> Choice:
+        """A greedy "auto" row's choice at a held K (as `_choose_auto` gives it)."""
+        if row.drafter == "none" or not k:
+            return Choice()
+        k = min(k, row.budget(), MAX_AUTO_DRAFT)
+        return Choice(k, "model") if k else Choice()
+
+    def _hold(self, rows: list, fixed: tuple) -> tuple:
+        """What a held drafting decision depends on (`DraftController.reuse_held`): the
+        batch size, how many rows the draft model would run over, the fixed rows' drafts."""
+        proposer = self.proposer
+        drafted = len(proposer.members) + len(proposer.cold) if proposer is not None else 0
+        return (len(rows), drafted, fixed)
+
     def _classify(self, rows: list) -> str:
         self._lookups = [r.lookup for r in rows if r.drafter == "lookup" and r.greedy_auto]
         if all(r.drafter == "none" for r in rows):
@@ -359,7 +383,6 @@ class DraftPolicy:
         ctl = self.controller
         if k is None:
             key = self._key(tuple(fixed))
-            epoch, _, drafted, fixed_rows = key
             k = ctl.choose_batch_k(
                 auto,
                 fixed,
@@ -369,7 +392,7 @@ class DraftPolicy:
                 offer=self._offer(),
                 rows=len(rows),
                 sync=lambda: self._in_step(rows),
-                hold=(epoch, drafted, fixed_rows),  # the key less the rows' acceptance
+                hold=self._hold(rows, key[3]),
             )
         probe = self._probe_row(auto_rows) if ctl.probing else None
         self._probing = probe is not None

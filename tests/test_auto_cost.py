@@ -1094,3 +1094,40 @@ def test_a_rows_expected_tokens_a_step_follow_its_acceptance_and_cap():
     assert e == (1.0, 1.5, 1.75, 1.75) and full == (1.0, 2.0, 3.0, 3.0)
     assert var[0] == 0.0 and var[1] == pytest.approx(0.25) and var[3] == var[2]
     assert adaptive._row_tokens(1.0, 3, 5)[0] == (1.0, 2.0, 3.0, 4.0, 4.0)
+
+
+def test_a_held_k_reads_no_row_but_its_budget(monkeypatch):
+    # A drafting decision is reused for HELD_STEPS steps while the batch keeps its size and
+    # no row can have a free draft; building every row's acceptance for a step that prices
+    # nothing cost ~30 us a step at 4 demo rows (the held step's whole choosing cost ~55
+    # us where a fixed K's costs 15). Rows changing keep the hold: every ~10 steps there.
+    # (Mutations: the fast path in DraftPolicy.choose removed -> acceptance read on held
+    # steps; a row's budget not capping its K -> a row 2 tokens from its end drafts K;
+    # the epoch back in the hold -> priced again after a row changes.)
+    ctl = _optimist()
+    rows = [
+        batch._Row(i, SamplingParams(0.0), 0, "model", None, ctl.plan("model", True), 99, 1)
+        for i in range(4)
+    ]
+    chooser = policy.DraftPolicy(ctl, _Proposer())
+    ks = []
+    for _ in range(4):  # (the first steps are the guard's plain check, an exploring K)
+        ks = [c.k for c in chooser.choose(rows)]
+        if ctl.held is not None:
+            break
+    k = max(ks)
+    assert k >= 2 and ctl.held is not None
+    reads = []
+    rate = adaptive.Acceptance.rate
+    monkeypatch.setattr(
+        adaptive.Acceptance, "rate", property(lambda self: reads.append(1) or rate.fget(self))
+    )
+    priced = []
+    monkeypatch.setattr(ctl, "_rates", lambda *a, **kw: priced.append(1) or ([1.0], [1.0]))
+    rows[1].generated = 97  # 2 tokens to go: it drafts 1 at most
+    chooser.rows_changed(joined=False)  # a row left and another joined: the hold stands
+    for _ in range(policy.HELD_STEPS - 1):
+        choices = chooser.choose(rows)
+        assert [c.k for c in choices] == [k, 1, k, k]
+        assert [c.source for c in choices] == ["model"] * 4
+    assert reads == [] and priced == []
