@@ -500,6 +500,9 @@ class DraftController:
     price_version: int = 0  # bumped when a shape is new to a live table: prices made before go
     depth_margin: float = DEPTH_MARGIN  # (a field: benchmarks A/B it)
     held_steps: int = HELD_STEPS  # (a field: benchmarks A/B it)
+    # The guard rules both ways: drafting runs at a batch-size class until the guard there
+    # has judged it, and goes on where it measurably wins (`_measured_pays`).
+    judge: bool = True
 
     @property
     def model_rows_draft(self) -> bool:
@@ -864,9 +867,10 @@ class DraftController:
         # of 100+ plain steps where K = 1 ran 1.07x plain), and the guard stops drafting
         # that measurably loses.
         bar = rates[0] * (1 + (0.0 if self.drafting.get(c) else MARGIN))
+        measured = self._measured_pays(rows)
         # If even perfect acceptance cannot pay at any K (a saturated device: batching
         # and speculation compete for the same compute), plain decoding, and no probe.
-        if max(ceilings[1:]) <= bar:
+        if max(ceilings[1:]) <= bar and not measured:
             self.drafting[c] = False
             self._settle(*settle, may_probe=False)
             return 0
@@ -908,6 +912,8 @@ class DraftController:
             # rows ran plain where K = 1 ran 1.07x). Draft, and let the rows' drafts and
             # the guard say what pays.
             pays = True
+        if not pays and measured and not free_step:
+            pays = True
         self.drafting[c] = pays
         if self.probe_pending:
             # An accepted probe counts as a success only if drafting now pays.
@@ -931,6 +937,25 @@ class DraftController:
         # failed probe.
         self._settle(*settle, may_probe=True)
         return self._maybe_probe(rows)
+
+    def _measured_pays(self, rows: int) -> bool:
+        """Whether the guard has the draft model's drafting go on at this batch size
+        whatever the prices say (`judge`): drafting measurably won on its recent steps, or
+        a verdict against it lapsed (a trial). A process whose first prices were off (a
+        shape's first passes run slow) otherwise decoded plain for good where drafting
+        won: plain steps time no drafting shape, so its prices never mend. (Drafting at a
+        batch size until the guard there judged cost 16 demo rows 4.8 +- 2.0%, paired: at
+        16 rows a verdict took ~65 steps, half of a run.)"""
+        if not self.judge:
+            return False
+        group = self.realized.get(self.size_class(rows))
+        if group is None or self.speculation_lost(rows):
+            return False
+        # A verdict against drafting that lapsed is tried again (`Realized.lapsed`, until the
+        # trial's fresh steps are judged) whatever the prices say: they were timed in the
+        # steps that lost, and a load burst that slowed drafting steps 3x priced drafting
+        # out for good (measured at 4 demo rows).
+        return group.lapsed or group.speculation_won(self.now)
 
     def _untried(self) -> bool:
         """Whether the pair's greedy model drafts have been heard fewer than UNTRIED_TRIALS

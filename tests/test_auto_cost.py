@@ -846,6 +846,7 @@ def test_drafting_starts_past_the_margin_and_goes_on_while_it_pays_at_all(monkey
     # 2% step below settles K = 0; measured at 4 demo rows: stretches of 100+ plain steps
     # where K = 1 ran 1.07x plain.)
     ctl = _optimist()
+    ctl.judge = False  # the model's own rule (drafting the guard measured winning goes on)
     ahead = {"by": 0.02}
 
     def rates(auto, fixed, k_max, *a, **kw):
@@ -1131,3 +1132,52 @@ def test_a_held_k_reads_no_row_but_its_budget(monkeypatch):
         assert [c.k for c in choices] == [k, 1, k, k]
         assert [c.source for c in choices] == ["model"] * 4
     assert reads == [] and priced == []
+
+
+def _price_out(ctl: DraftController) -> None:
+    """Prices turn against drafting: verifying a position more costs a whole pass."""
+    ctl.target = PassCosts({1: 1.0, 2: 2.0, 64: 64.0})
+    ctl.draft = PassCosts({1: 0.5, 16: 1.0})
+    ctl.prices.clear()
+    ctl.prices_at = ()
+
+
+def test_drafting_that_measurably_wins_goes_on_whatever_the_prices_say():
+    # A process whose first prices were off priced K = 1 15% over its steps and decoded
+    # plain for good where its drafting had run 17% cheaper a token than its plain steps
+    # (measured at 4 demo rows, 1 process of 9; plain steps time no drafting shape, so the
+    # prices never mend). Drafting goes on at a batch size while the guard there measures
+    # it winning. (Mutations: `judge` off, or the won verdict not asked -> plain once the
+    # prices turn.)
+    ctl = _optimist()
+    _run(ctl, 100, plain_s=0.010, draft_s=0.012)  # 3 tokens a row for 1.2 plain steps
+    assert ctl.realized[3].speculation_won(ctl.now)
+    _price_out(ctl)
+    assert _run(ctl, 200, plain_s=0.010, draft_s=0.012)[20:].count(0) <= 6  # (plain checks)
+    ctl.judge = False
+    assert _run(ctl, 40, plain_s=0.010, draft_s=0.012)[-20:] == [0] * 20
+
+
+def test_a_lapsed_verdict_is_tried_again_whatever_the_prices_say():
+    # The prices that priced drafting out were timed in the steps that lost (measured at 4
+    # demo rows: a load burst slowed drafting steps 3x, and a process decoded plain for
+    # good at 0.90 of K = 1's speed). A lapsed verdict is tried again anyway: a few steps,
+    # GUARD_HOLD_FIRST steps after the last draft and then further apart. (Mutations:
+    # lapsed verdicts not tried, or `judge` off -> no drafting after the verdict.)
+    ctl = _optimist()
+    _run(ctl, 60, plain_s=0.010, draft_s=0.040)
+    assert ctl.speculation_lost(4)
+    _price_out(ctl)
+    got = _run(ctl, 1000, plain_s=0.010, draft_s=0.040)
+    trials: list[list[int]] = []
+    for i in (i for i, k in enumerate(got) if k):
+        if trials and i - trials[-1][-1] <= 2:
+            trials[-1].append(i)
+        else:
+            trials.append([i])
+    assert len(trials) >= 3
+    assert max(len(t) for t in trials) <= GUARD_MIN_WEIGHT + 1
+    gaps = [b[0] - a[-1] for a, b in zip(trials, trials[1:], strict=False)]
+    assert gaps == sorted(gaps) and min(gaps) > GUARD_HOLD_FIRST
+    ctl.judge = False
+    assert _run(ctl, 1200, plain_s=0.010, draft_s=0.040) == [0] * 1200
