@@ -500,9 +500,9 @@ class DraftController:
     price_version: int = 0  # bumped when a shape is new to a live table: prices made before go
     depth_margin: float = DEPTH_MARGIN  # (a field: benchmarks A/B it)
     held_steps: int = HELD_STEPS  # (a field: benchmarks A/B it)
-    # The guard rules both ways: drafting runs at a batch-size class until the guard there
-    # has judged it, and goes on where it measurably wins (`_measured_pays`).
-    judge: bool = True
+    # The guard rules both ways: drafting it measured winning goes on, and a verdict against
+    # drafting that lapsed is tried, whatever the prices say (`_measured_pays`).
+    judge: bool = True  # (a field: benchmarks A/B it)
 
     @property
     def model_rows_draft(self) -> bool:

@@ -216,10 +216,6 @@ class Realized:
             return False
         return under > GUARD_Z * math.hypot(self.spec_ev.error, plain_error)
 
-    def judged(self) -> bool:
-        """Whether the guard has heard enough steps of each kind here to judge."""
-        return self._judged()
-
     def speculation_won(self, now: int) -> bool:
         """Whether drafting has measurably cost less per token than plain decoding here,
         on drafting steps of the last PLAIN_MAX steps: what was measured outranks a cost
