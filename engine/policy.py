@@ -283,12 +283,13 @@ class DraftPolicy:
         k = None
         if mix == "greedy":
             ctl = self.controller
-            k = ctl.reuse_settled(self._key(()), self._offer(), len(rows))
+            key = self._key(())
+            k = ctl.reuse_settled(key, self._offer(), len(rows))
             if k == 0:  # the usual step where speculation does not pay
                 return [Choice() for _ in rows]
             if k is None and not self._lookups and len(rows) > HYBRID_MAX_ROWS:
                 # No row can have a free draft: a held K needs no row read but its budget.
-                held = ctl.reuse_held(self._hold(rows, ()), len(rows))
+                held = ctl.reuse_held(self._hold(rows, key), len(rows))
                 if held is not None:
                     return [self._held(row, held) for row in rows]
         choices = [Choice() for _ in rows]
@@ -341,11 +342,12 @@ class DraftPolicy:
         k = min(k, row.budget(), MAX_AUTO_DRAFT)
         return Choice(k, "model") if k else Choice()
 
-    def _hold(self, rows: list, fixed: tuple) -> tuple:
-        """What a held drafting decision depends on (`DraftController.reuse_held`): the
-        batch size, how many rows the draft model would run over, the fixed rows' drafts."""
-        proposer = self.proposer
-        drafted = len(proposer.members) + len(proposer.cold) if proposer is not None else 0
+    @staticmethod
+    def _hold(rows: list, key: tuple) -> tuple:
+        """What a held drafting decision depends on (`DraftController.reuse_held`): `key`
+        (`_key`) less the rows and their acceptance, with the batch size: how many rows the
+        draft model would run over, the fixed rows' drafts."""
+        _, _, drafted, fixed = key
         return (len(rows), drafted, fixed)
 
     def _classify(self, rows: list) -> str:
@@ -392,7 +394,7 @@ class DraftPolicy:
                 offer=self._offer(),
                 rows=len(rows),
                 sync=lambda: self._in_step(rows),
-                hold=self._hold(rows, key[3]),
+                hold=self._hold(rows, key),
             )
         probe = self._probe_row(auto_rows) if ctl.probing else None
         self._probing = probe is not None

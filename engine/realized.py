@@ -201,20 +201,18 @@ class Realized:
         swing stood for hundreds of steps (measured at 1 demo row: 1 process in 3 ran the
         draft model on ~6% of its steps, 1.08-1.14x plain where K = 2 ran 1.13-1.23x)."""
         plain, plain_error = self._plain()
-        over = self.spec - plain * (1 + MARGIN)
-        if over <= 0:
-            return False
-        noise = math.hypot(self.spec_ev.error, plain_error)
-        return over > GUARD_Z * noise
+        return self._clear(self.spec - plain * (1 + MARGIN), plain_error)
 
     def winning(self) -> bool:
         """Whether drafting's cost a token is under plain's by more than MARGIN, and by
         more than GUARD_Z standard errors of the two (`losing`, the other way)."""
         plain, plain_error = self._plain()
-        under = plain - self.spec * (1 + MARGIN)
-        if under <= 0:
-            return False
-        return under > GUARD_Z * math.hypot(self.spec_ev.error, plain_error)
+        return self._clear(plain - self.spec * (1 + MARGIN), plain_error)
+
+    def _clear(self, gap: float, plain_error: float) -> bool:
+        """Whether a gap in seconds a token (past MARGIN) is positive and over GUARD_Z
+        standard errors of the two sides."""
+        return gap > 0 and gap > GUARD_Z * math.hypot(self.spec_ev.error, plain_error)
 
     def speculation_won(self, now: int) -> bool:
         """Whether drafting has measurably cost less per token than plain decoding here,

@@ -32,6 +32,17 @@ ROWS = (
 TARGETS = ["(d)", "(d)", "(e)", "(f)", "(g)", "(h)", "(i)"]
 
 
+def _benchmark(script: str, *args: str, timeout: int = 120) -> subprocess.CompletedProcess:
+    """`benchmarks/<script>` with these arguments, as a user runs it, output captured."""
+    return subprocess.run(
+        [sys.executable, f"benchmarks/{script}", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def _table_row(text: str, label: str) -> list[str]:
     for line in text.splitlines():
         if line.startswith("| " + label):
@@ -43,13 +54,8 @@ def _table_row(text: str, label: str) -> list[str]:
 @pytest.mark.skipif(not (DEMO / "target").is_dir(), reason="the demo pair is not in engine/demo")
 def test_quick_benchmark_reports_every_row(tmp_path):
     out = tmp_path / "BENCH.md"
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/bench.py", "--quick", "--out", str(out)]
-        + ["--cache", str(tmp_path / "cache")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    proc = _benchmark(
+        "bench.py", "--quick", "--out", str(out), "--cache", str(tmp_path / "cache"), timeout=300
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     check_report(out.read_text())
@@ -83,14 +89,10 @@ def test_lockstep_names_its_fixed_ks_and_splits_steps_by_kind():
     """`lockstep.py --ks --kinds`: a column per fixed K asked for, every contender lossless,
     and each contender's steps split into full, join and thin steps that add up to its
     time (the split that shows what rows parting costs)."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/lockstep.py", "--pairs", "demo", "--sizes", "4"]
-        + ["--runs", "1", "--max-tokens", "8", "--ks", "1,3", "--kinds"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _benchmark(
+        "lockstep.py", "--pairs", "demo", "--sizes", "4",
+        "--runs", "1", "--max-tokens", "8", "--ks", "1,3", "--kinds",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| pair | batch | none"))
@@ -116,15 +118,11 @@ def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
     included) computed from those figures' medians, and a summary whose counts (processes
     that settled plain, that are within 3% of their best) are the counts of rows that say
     so, and whose paired "auto B" over "auto" is the geometric mean of the rows' runs."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/regimes.py", "--processes", "2", "--runs", "3"]
-        + ["--per-run", "1", "--max-tokens", "8", "--ks", "1,2"]
-        + ["--ab", "depth_margin=0.05,block=false"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _benchmark(
+        "regimes.py", "--processes", "2", "--runs", "3",
+        "--per-run", "1", "--max-tokens", "8", "--ks", "1,2",
+        "--ab", "depth_margin=0.05,block=false",
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
@@ -154,13 +152,7 @@ def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
     mean = re.search(r"auto B / auto, paired by run: geometric mean ([\d.]+) \+- ", proc.stdout)
     assert float(mean.group(1)) == pytest.approx(math.exp(statistics.mean(logs)), abs=3e-3)
     assert f"over 6 runs; auto B settled plain by the last run in {settled_b} of 2" in proc.stdout
-    bad = subprocess.run(
-        [sys.executable, "benchmarks/regimes.py", "--ab", "no_such_field=1"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    bad = _benchmark("regimes.py", "--ab", "no_such_field=1", timeout=60)
     assert bad.returncode == 2 and "not a controller field=value: 'no_such_field=1'" in bad.stderr
 
 
@@ -169,14 +161,7 @@ def test_positions_reports_acceptance_by_draft_position_for_each_k():
     tokens a row-step are 1 plus the products of its acceptance by position (each given
     the positions before it passed), and its prediction is the one-rate E(K) at K = 1's
     rate on the same requests."""
-    proc = subprocess.run(
-        [sys.executable, "benchmarks/positions.py", "--per-run", "1,2", "--ks", "2,3"]
-        + ["--max-tokens", "12"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    proc = _benchmark("positions.py", "--per-run", "1,2", "--ks", "2,3", "--max-tokens", "12")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \| \d \|", line)]
     cells = [[c.strip() for c in row.strip(" |").split("|")] for row in rows]
