@@ -58,6 +58,7 @@ from .policy import (
     FIT_WEIGHT,
     FREE_SLACK,
     GUARD_MEDIAN_OF,
+    HELD_MAX,
     HELD_STEPS,
     LIVE_EMA,
     LOOKUP_ANCHOR,
@@ -500,6 +501,9 @@ class DraftController:
     price_version: int = 0  # bumped when a shape is new to a live table: prices made before go
     depth_margin: float = DEPTH_MARGIN  # (a field: benchmarks A/B it)
     held_steps: int = HELD_STEPS  # (a field: benchmarks A/B it)
+    held_max: int = HELD_MAX  # (a field: benchmarks A/B it)
+    # size class -> (the K of its last held decision, the steps that hold ran): `_hold_span`
+    hold_spans: dict = field(default_factory=dict)
     # The guard rules both ways: drafting it measured winning goes on, and a verdict against
     # drafting that lapsed is tried, whatever the prices say (`_measured_pays`).
     judge: bool = True  # (a field: benchmarks A/B it)
@@ -930,13 +934,24 @@ class DraftController:
             k = self._explore(c, rows, best, k_max, rates)
             if hold is not None and k == best and self.model_rows_draft:
                 if not any(r.free for r in auto):
-                    self.held, self.held_left = (hold, k), self.held_steps - 1
+                    self.held, self.held_left = (hold, k), self._hold_span(c, k) - 1
             return k
         # Speculation does not pay at today's acceptance (or the guard stopped it):
         # probe now and then so acceptance stays measured, less often after each
         # failed probe.
+        self.hold_spans.pop(c, None)  # (drafting again starts from a short hold)
         self._settle(*settle, may_probe=True)
         return self._maybe_probe(rows)
+
+    def _hold_span(self, size_class: int, k: int) -> int:
+        """Steps a drafting decision at K is held (`_reuse_held`): `held_steps`, twice the
+        last span each time a pricing at this class confirms the K it held, up to
+        `held_max`. Pricing is most of what choosing costs, and at 4 demo rows it
+        confirmed the K it held on most pricings; a K that changes is priced again soon."""
+        last, span = self.hold_spans.get(size_class, (None, 0))
+        span = min(span * 2, self.held_max) if last == k else self.held_steps
+        self.hold_spans[size_class] = (k, span)
+        return span
 
     def _measured_pays(self, rows: int) -> bool:
         """Whether the guard has the draft model's drafting go on at this batch size

@@ -812,10 +812,11 @@ def test_a_drafting_decision_is_priced_once_every_held_steps_while_the_batch_sta
     monkeypatch,
 ):
     # Pricing is most of what "auto" adds to a step: a K > 0 is reused, unpriced, for
-    # HELD_STEPS steps while the batch is the same and no row has a free draft; a new
-    # batch, a free draft or a guard verdict prices (or stops) at once. (Mutation: no
-    # hold -> _rates runs every step; a hold that ignores free drafts -> the free step
-    # is not priced.)
+    # HELD_STEPS steps while the batch is the same and no row has a free draft (twice as
+    # long each time a pricing confirms it, up to HELD_MAX); a new batch, a free draft or
+    # a guard verdict prices (or stops) at once. (Mutation: no hold -> _rates runs every
+    # step; a hold that ignores free drafts -> the free step is not priced; spans that do
+    # not grow -> 16 pricings in 64 steps.)
     ctl = _optimist()
     priced = []
     rates = ctl._rates
@@ -823,9 +824,9 @@ def test_a_drafting_decision_is_priced_once_every_held_steps_while_the_batch_sta
     for _ in range(4):  # the guard's first plain check, then drafting
         ctl.choose_batch_k(_rows(4), [], 4, hold="b")
     priced.clear()
-    got = [ctl.choose_batch_k(_rows(4), [], 4, hold="b") for _ in range(16)]
+    got = [ctl.choose_batch_k(_rows(4), [], 4, hold="b") for _ in range(64)]
     assert all(k > 0 for k in got) and len(set(got)) == 1
-    assert len(priced) == -(-16 // policy.HELD_STEPS) < 16 / 2
+    assert len(priced) <= 2 + 64 // policy.HELD_MAX < 64 / policy.HELD_STEPS
     priced.clear()
     ctl.choose_batch_k(_rows(4), [], 4, hold="another batch")
     assert len(priced) == 1
@@ -837,6 +838,34 @@ def test_a_drafting_decision_is_priced_once_every_held_steps_while_the_batch_sta
     for _ in range(3):
         ctl.choose_batch_k(_rows(4), [], 4)
     assert len(priced) == 3
+
+
+def test_a_k_that_changes_is_priced_again_after_held_steps(monkeypatch):
+    # A held K grows its span only while pricings confirm it: where the best K moves, the
+    # new K is held HELD_STEPS, and K = 1 confirmed again grows from there. (Mutation:
+    # the span kept across a change of K -> the change to K = 2 held 16 steps.)
+    ctl = _optimist()
+    best = {"k": 1}
+
+    def rates(auto, fixed, k_max, *a, **kw):
+        r = [1.0] + [1.2 if k == best["k"] else 1.05 for k in range(1, k_max + 1)]
+        return r, [10.0] * (k_max + 1)
+
+    priced = []
+    monkeypatch.setattr(ctl, "_rates", lambda *a, **kw: priced.append(1) or rates(*a, **kw))
+    monkeypatch.setattr(ctl, "_plain_check", lambda group: False)
+    monkeypatch.setattr(ctl, "_explore", lambda c, rows, k, k_max, r: k)
+
+    def steps(n: int) -> list[int]:
+        priced.clear()
+        return [ctl.choose_batch_k(_rows(4), [], 4, hold="b") for _ in range(n)]
+
+    assert steps(4 + 8 + 16 + 16) == [1] * 44 and len(priced) == 4  # spans 4, 8, 16, 16
+    best["k"] = 2  # the next pricing (the span ran out) finds K = 2: held HELD_STEPS
+    assert steps(policy.HELD_STEPS) == [2] * policy.HELD_STEPS and len(priced) == 1
+    best["k"] = 1  # ... and is priced again after them
+    assert steps(policy.HELD_STEPS) == [1] * policy.HELD_STEPS and len(priced) == 1
+    assert steps(2 * policy.HELD_STEPS) == [1] * 2 * policy.HELD_STEPS and len(priced) == 1
 
 
 def test_drafting_starts_past_the_margin_and_goes_on_while_it_pays_at_all(monkeypatch):
