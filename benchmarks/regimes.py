@@ -3,6 +3,7 @@ lottery").
 
     python benchmarks/regimes.py                                   # demo, 4 rows, 8 processes
     python benchmarks/regimes.py --per-run 4 --processes 10 --runs 3
+    python benchmarks/regimes.py --fresh                           # new prompts every run
 
 `lockstep.py` gives one process's medians; which regime "auto" ends in (drafting, or K = 0
 for good) is set by a process's first steps and varies from one process to the next. Each
@@ -35,6 +36,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
+import random
 import statistics
 import sys
 from pathlib import Path
@@ -72,16 +74,18 @@ def process(
 ) -> list[Run]:
     """One process's runs: "auto", plain ("none"), the control and a lane per fixed K
     (`lockstep.contenders`), and with `ab` (controller fields) an "auto B" lane whose
-    controller has them set, stepped in lockstep."""
+    controller has them set, stepped in lockstep. `ids_list`: every run's prompts, or a
+    function of the run giving that run's (`--fresh`)."""
     specs = lockstep.contenders(ks) + ((("auto B", "model", "auto"),) if ab else ())
     own = {name: lockstep.own_pair(pair) for name, _, _ in specs}
     for name, value in (ab or {}).items():
         setattr(own["auto B"].controller, name, value)
     out = []
     for r in range(runs):
+        run_ids = ids_list(r) if callable(ids_list) else ids_list
         lanes = {
             name: lockstep.Lane(
-                own[name], lockstep.requests_for(ids_list, drafter, k, max_tokens), batch
+                own[name], lockstep.requests_for(run_ids, drafter, k, max_tokens), batch
             )
             for name, drafter, k in specs
         }
@@ -169,6 +173,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ab", type=controller_fields, default={}, help="FIELD=VALUE,... of an auto B lane"
     )
+    ap.add_argument(
+        "--fresh",
+        action="store_true",
+        help="new prompts every run of every process (lockstep.py --fresh)",
+    )
     ap.add_argument("--cache", type=Path, default=pairs.CACHE)
     args = ap.parse_args(argv)
     ks, ab = args.ks, args.ab
@@ -177,9 +186,14 @@ def main(argv=None) -> int:
     prompts = [ids for _, ids in prompt_sets.code_prompts(pair.tokenizer, 16, 48)]
     n = args.batch * args.per_run
     ids_list = (prompts * n)[:n]
+    if args.fresh:
+        pool = [ids for _, ids in prompt_sets.code_prompts(pair.tokenizer, 10**6, 48)]
+        random.Random(0).shuffle(pool)
+        fresh = lockstep.fresh_prompts(pool, n)
     print(
         f"# regimes: {args.pair} pair, {args.processes} processes of {args.runs} runs, batch "
-        f"{args.batch}, {n} requests of {args.max_tokens} new tokens a run, greedy"
+        f"{args.batch}, {n} requests of {args.max_tokens} new tokens a run, greedy, "
+        f"{'new prompts every run' if args.fresh else 'the same prompts every run'}"
     )
     fixed = [f"K={k}" for k in ks]
     print(
@@ -194,6 +208,11 @@ def main(argv=None) -> int:
         print(f"# auto B: {', '.join(f'{k}={v}' for k, v in ab.items())}")
     settled, ratios, controls, bests, every, settled_b = 0, [], [], [], [], 0
     for p in range(1, args.processes + 1):
+        if args.fresh:
+
+            def ids_list(r, first=(p - 1) * args.runs):
+                return fresh(first + r)
+
         got = process(pair, ids_list, args.batch, args.runs, args.max_tokens, ks, ab)
         every += got
         plain = got[-1].drafts < SETTLED

@@ -96,8 +96,10 @@ def test_lockstep_names_its_fixed_ks_and_splits_steps_by_kind():
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
     header = next(line for line in lines if line.startswith("| pair | batch | none"))
-    assert "| K=1 / none | K=3 / none |" in header and "K=2" not in header
+    assert "| K=1 / none | K=3 / none | auto / best, paired |" in header and "K=2" not in header
     row = next(line for line in lines if line.startswith("| demo | 4 | ") and "/" in line)
+    # "auto" over the best fixed contender of the cell, K = 0 included, run by run
+    assert re.search(r"\| \d\.\d{3} \(\d\.\d\d-\d\.\d\d\) of K=[013] \|", row), row
     n, total = row.strip("|").split("|")[-1].strip().split("/")
     assert n == total == "10", row  # 5 contenders, each in the untimed run and the timed one
     kinds = [line for line in lines if re.match(r"\| demo \| 4 \| (none|auto|K=1|K=3) \|", line)]
@@ -112,6 +114,21 @@ def test_lockstep_names_its_fixed_ks_and_splits_steps_by_kind():
     assert plain.split("|")[6].strip().startswith("0 /")  # plain rows finish together
 
 
+def test_lockstep_fresh_prompts_are_new_every_run_until_the_pool_is_used():
+    """`lockstep.py --fresh`: each run of a cell decodes prompts no other run decodes, as
+    long as the pool lasts, then the pool again from its start."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import lockstep
+
+    pool = [[i] for i in range(10)]
+    runs = lockstep.fresh_prompts(pool, 4)
+    assert [runs(r) for r in range(3)] == [
+        [[0], [1], [2], [3]],
+        [[4], [5], [6], [7]],
+        [[8], [9], [0], [1]],
+    ]
+
+
 def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
     """`regimes.py`: a row per process with a figure per run (the control's, each fixed K
     lane's and the "auto B" lane's too), "auto" over the process's best contender (K = 0
@@ -121,9 +138,10 @@ def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
     proc = _benchmark(
         "regimes.py", "--processes", "2", "--runs", "3",
         "--per-run", "1", "--max-tokens", "8", "--ks", "1,2",
-        "--ab", "depth_margin=0.05,block=false",
+        "--ab", "depth_margin=0.05,block=false", "--fresh",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "a run, greedy, new prompts every run" in proc.stdout
     rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
     shares, logs, settled_b = [], [], 0
