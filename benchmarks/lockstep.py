@@ -176,14 +176,19 @@ def requests_for(ids_list, drafter, k, max_tokens):
     ]
 
 
-def fresh_prompts(pool: list, n: int):
-    """Run r's n prompts (`--fresh`): the pool's r-th n, no prompt in two runs until the
-    pool is used up, then round again from its start."""
+def fresh_prompts(pool: list, n: int, first: int = 0):
+    """Run r's n prompts (`--fresh`): the pool's (first + r)-th n, no prompt in two runs
+    until the pool is used up, then round again from its start."""
 
     def run_prompts(r: int) -> list:
-        return [pool[(r * n + i) % len(pool)] for i in range(n)]
+        return [pool[((first + r) * n + i) % len(pool)] for i in range(n)]
 
     return run_prompts
+
+
+def prompts_label(fresh: bool) -> str:
+    """What a benchmark's header says of its prompts."""
+    return "new prompts every run" if fresh else "the same prompts every run"
 
 
 def cell(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=(1, 2)) -> dict:
@@ -243,14 +248,10 @@ def main(argv=None) -> int:
     fixed = [f"K={k}" for k in ks]
     demo = engine.load_pair(DEMO_TARGET, DEMO_DRAFT)
     prompts = [ids for _, ids in prompt_sets.code_prompts(demo.tokenizer, 16, 48)]
-    pool = []
-    if args.fresh:
-        pool = [ids for _, ids in prompt_sets.code_prompts(demo.tokenizer, 10**6, 48)]
-        random.Random(0).shuffle(pool)
+    pool = prompt_sets.prompt_pool(demo.tokenizer, 48) if args.fresh else []
     print(
         f"# lockstep: {args.runs} runs, {args.per_run} x batch requests of {args.max_tokens} "
-        f"new tokens, greedy, {'new prompts every run' if args.fresh else 'the same prompts every run'}"
-        f"; {demo.info()['blas']}"
+        f"new tokens, greedy, {prompts_label(args.fresh)}; {demo.info()['blas']}"
     )
     print(
         "| pair | batch | none tok/s | control / none | auto / none | "

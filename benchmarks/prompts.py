@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import random
 import re
 import sysconfig
 import textwrap
@@ -104,6 +105,14 @@ def code_prompts(tokenizer, n: int, prompt_tokens: int) -> list[tuple[str, list[
         ids = tokenizer.encode(src, add_special_tokens=False)
         out.append((name, ids[:prompt_tokens]))
     return out
+
+
+def prompt_pool(tokenizer, prompt_tokens: int, seed: int = 0) -> list[list[int]]:
+    """The first prompt_tokens tokens of every held-out function, in a shuffled order (so
+    that n in a row come from many files): the pool of `lockstep.py --fresh`."""
+    pool = [ids for _, ids in code_prompts(tokenizer, len(functions()), prompt_tokens)]
+    random.Random(seed).shuffle(pool)
+    return pool
 
 
 LOOKUP_HEADER = "# Original version:\n"

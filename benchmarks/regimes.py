@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import math
-import random
 import statistics
 import sys
 from pathlib import Path
@@ -186,14 +185,11 @@ def main(argv=None) -> int:
     prompts = [ids for _, ids in prompt_sets.code_prompts(pair.tokenizer, 16, 48)]
     n = args.batch * args.per_run
     ids_list = (prompts * n)[:n]
-    if args.fresh:
-        pool = [ids for _, ids in prompt_sets.code_prompts(pair.tokenizer, 10**6, 48)]
-        random.Random(0).shuffle(pool)
-        fresh = lockstep.fresh_prompts(pool, n)
+    pool = prompt_sets.prompt_pool(pair.tokenizer, 48) if args.fresh else []
     print(
         f"# regimes: {args.pair} pair, {args.processes} processes of {args.runs} runs, batch "
         f"{args.batch}, {n} requests of {args.max_tokens} new tokens a run, greedy, "
-        f"{'new prompts every run' if args.fresh else 'the same prompts every run'}"
+        f"{lockstep.prompts_label(args.fresh)}"
     )
     fixed = [f"K={k}" for k in ks]
     print(
@@ -208,11 +204,8 @@ def main(argv=None) -> int:
         print(f"# auto B: {', '.join(f'{k}={v}' for k, v in ab.items())}")
     settled, ratios, controls, bests, every, settled_b = 0, [], [], [], [], 0
     for p in range(1, args.processes + 1):
-        if args.fresh:
-
-            def ids_list(r, first=(p - 1) * args.runs):
-                return fresh(first + r)
-
+        if args.fresh:  # (each process's runs after the runs of the processes before it)
+            ids_list = lockstep.fresh_prompts(pool, n, first=(p - 1) * args.runs)
         got = process(pair, ids_list, args.batch, args.runs, args.max_tokens, ks, ab)
         every += got
         plain = got[-1].drafts < SETTLED
