@@ -65,7 +65,16 @@ REQUEST_BOUNDS = {
     "top_p": Bound(low=0, high=1, low_open=True),
     "top_k": Bound(low=0),
     "min_p": Bound(low=0, high=1, high_open=True),
+    "n": Bound(low=1, high=128),
+    "top_logprobs": Bound(low=0, high=20),
+    "frequency_penalty": Bound(low=-2, high=2),
+    "presence_penalty": Bound(low=-2, high=2),
+    "repetition_penalty": Bound(low=0, low_open=True),
 }
+#: A `logit_bias` value lies in [-LOGIT_BIAS_MAX, LOGIT_BIAS_MAX] (OpenAI's range).
+LOGIT_BIAS_MAX = 100
+#: The completions endpoint's integer `logprobs` (its legacy shape) is 0..this.
+MAX_COMPLETION_LOGPROBS = 5
 
 
 def _num(value: float) -> str:

@@ -1,7 +1,7 @@
 """specfleet's engine: lossless speculative decoding on MLX.
 
 Public API: load_pair, ModelPair, GenerationRequest, GenerationResult, SpecStats,
-generate, generate_many (batched), stream (StreamItem pieces, the last with the result), count_prompt_tokens, prefix_line (the
+generate, generate_many (batched), generate_choices and choice_requests (n choices), stream (StreamItem pieces, the last with the result), count_prompt_tokens, prefix_line (the
 prefix cache in words), and the errors below EngineError.
 
 MLX is imported on first use of anything that needs it (after a fast system BLAS
@@ -41,8 +41,10 @@ __all__ = [
     "SpecStats",
     "StreamItem",
     "TokenizerMismatchError",
+    "choice_requests",
     "count_prompt_tokens",
     "generate",
+    "generate_choices",
     "generate_many",
     "load_pair",
     "prefix_line",
@@ -54,6 +56,8 @@ _LAZY = {
     "ModelPair": "loading",
     "generate": "text",
     "generate_many": "text",
+    "generate_choices": "text",
+    "choice_requests": "text",
     "stream": "text",
     "count_prompt_tokens": "text",
     "prefix_line": "prefix",

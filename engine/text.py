@@ -11,7 +11,9 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import replace
 
+from contract.defaults import choice_seed
 from contract.limits import DRAFTERS, MAX_DRAFT_TOKENS, REQUEST_BOUNDS
 
 from .batch import SpeculativeDecoder, new_decoder, request_drafter
@@ -298,8 +300,46 @@ def generate_many(
 
 
 def generate(pair, request: GenerationRequest) -> GenerationResult:
-    """Run one request to completion and return text, usage and metrics."""
+    """Run one request (n = 1) to completion and return text, usage and metrics."""
+    if request.n != 1:
+        raise InvalidRequestError(
+            f"n: generate runs one choice; got n={request.n} (use generate_choices)"
+        )
     for item in stream(pair, request):
         if item.result is not None:
             return item.result
     raise AssertionError("stream ended without a result")  # pragma: no cover
+
+
+def choice_requests(request: GenerationRequest) -> list[GenerationRequest]:
+    """The n choices of a request as n requests of one choice each: choice i runs with
+    seed `contract.defaults.choice_seed(seed, i)` (choice 0 with the request's own), so
+    each is exactly what it gives when run alone. An unseeded sampled request gets a
+    fresh seed per choice."""
+    if request.n == 1:
+        return [request]
+    seed = request.seed
+    if seed is None and not SamplingParams(request.temperature).greedy:
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    return [replace(request, n=1, seed=choice_seed(seed, i)) for i in range(request.n)]
+
+
+def generate_choices(
+    pair, request: GenerationRequest, max_batch: int = 16
+) -> list[GenerationResult]:
+    """Run a request's n choices as rows of one batch (up to max_batch at a time);
+    returns their results in choice order. Greedy choices are all the same text, so a
+    greedy request is decoded once and its result repeated. Raises the engine's request
+    errors (InvalidRequestError, ContextLengthError) before any output."""
+    requests = choice_requests(request)
+    if SamplingParams(request.temperature).greedy:
+        one = generate(pair, requests[0])
+        return [one] + [
+            replace(one, stats=SpecStats(drafter=one.stats.drafter)) for _ in requests[1:]
+        ]
+    results: list = [None] * len(requests)
+    for i, res in generate_many(pair, requests, max_batch=max_batch):
+        if isinstance(res, EngineError):
+            raise res
+        results[i] = res
+    return results

@@ -67,6 +67,19 @@ class GenerationRequest:
     stop: tuple[str, ...] | list[str] | str | None = ENGINE.stop
     num_draft_tokens: int | Literal["auto"] = ENGINE.num_draft_tokens
     drafter: Drafter = ENGINE.drafter
+    #: n > 1: several choices; run them with `engine.generate_choices` (each choice is a
+    #: request of its own, `engine.choice_requests`).
+    n: int = ENGINE.n
+    logprobs: bool = ENGINE.logprobs
+    top_logprobs: int = ENGINE.top_logprobs
+    frequency_penalty: float = ENGINE.frequency_penalty
+    presence_penalty: float = ENGINE.presence_penalty
+    repetition_penalty: float = ENGINE.repetition_penalty
+    #: {token id: bias in -100..100} (keys may be ints or their decimal strings).
+    logit_bias: dict | None = ENGINE.logit_bias
+    #: A normalised output constraint (`contract.constraints.normalise`), or None.
+    constraint: dict | None = ENGINE.constraint
+    chat_template_kwargs: dict | None = ENGINE.chat_template_kwargs
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -174,3 +187,8 @@ class GenerationResult:
     usage: dict
     metrics: dict
     stats: SpecStats
+    #: With `logprobs`: one entry per output token, {"token", "logprob", "bytes",
+    #: "top_logprobs": [{"token", "logprob", "bytes"}, ...]} (OpenAI's chat shape).
+    logprobs: list[dict] | None = None
+    #: A thinking model's reasoning, split from `text` (None: the template has none).
+    reasoning: str | None = None
