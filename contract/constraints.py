@@ -171,7 +171,7 @@ def grammar(constraint: dict) -> str:
     `LLMatcher.grammar_from_json_schema`/`_regex`/`_lark` would build)."""
     kind = constraint["type"]
     if kind == "json_schema":
-        schema = constraint["schema"]
+        schema = closed(constraint["schema"])
         options = {"whitespace_flexible": bool(constraint.get("whitespace_flexible", False))}
         if isinstance(schema, dict):
             schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
@@ -196,6 +196,46 @@ def grammar(constraint: dict) -> str:
             {"name": "grammar", "json_schema": None, "lark_grammar": constraint["grammar"]}
         )
     raise ValueError(f"unknown constraint type {kind!r}")
+
+
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = (
+    "items",
+    "additionalItems",
+    "contains",
+    "not",
+    "if",
+    "then",
+    "else",
+    "propertyNames",
+    "additionalProperties",
+    "unevaluatedItems",
+    "unevaluatedProperties",
+)
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems", "items")
+
+
+def closed(schema):
+    """The schema with `additionalProperties: false` on every object schema that lists
+    `properties` and says nothing of other keys, as OpenAI's strict mode requires and
+    vLLM's default grammar backend assumes: a record gets the keys its schema names,
+    not a weak model's inventions. Every output still validates against the schema as
+    given. The input is not changed."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for k in _SCHEMA_MAPS:
+        if isinstance(out.get(k), dict):
+            out[k] = {name: closed(s) for name, s in out[k].items()}
+    for k in set(_SCHEMA_ONE) | set(_SCHEMA_LISTS):
+        if isinstance(out.get(k), (dict, list)) and k not in _SCHEMA_MAPS:
+            out[k] = closed(out[k])
+    open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
+    if isinstance(out.get("properties"), dict) and not any(k in out for k in open_keys):
+        out["additionalProperties"] = False
+    return out
 
 
 def _lark_regex(pattern: str) -> str:

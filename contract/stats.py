@@ -17,6 +17,9 @@ COUNTERS = (
     "num_draft_tokens",
     "num_accepted_draft_tokens",
     "num_emitted_tokens",
+    # Tokens a grammar forced (its only continuation), proposed without the drafter and
+    # verified by the target: counted apart, so acceptance rates are the drafter's own.
+    "num_forced_tokens",
 )
 #: Counters kept as a list, one integer per index (accepted count or draft position),
 #: and the short name their hash fields use: `sd:hist:<i>`, `sd:dpp:<i>`, `sd:app:<i>`.
@@ -66,8 +69,10 @@ def summary(
     acceptance_histogram: Sequence[int],
     draft_tokens_per_position: Sequence[int],
     accepted_per_position: Sequence[int],
+    num_forced_tokens: int = 0,
 ) -> dict:
-    """The `speculative_decoding` object of FORMATS.md from raw counters.
+    """The `speculative_decoding` object of FORMATS.md from raw counters
+    (`num_forced_tokens` appears only where a grammar forced some).
 
     num_emitted_tokens: tokens the verify steps put into the output (the completion
     tokens); accepted_per_position may be shorter than draft_tokens_per_position
@@ -75,7 +80,7 @@ def summary(
     accepted = list(accepted_per_position) + [0] * (
         len(draft_tokens_per_position) - len(accepted_per_position)
     )
-    return {
+    out = {
         "drafter": drafter,
         "num_spec_steps": num_spec_steps,
         "num_draft_tokens": num_draft_tokens,
@@ -88,6 +93,9 @@ def summary(
         ],
         "draft_tokens_per_position": list(draft_tokens_per_position),
     }
+    if num_forced_tokens:
+        out["num_forced_tokens"] = num_forced_tokens
+    return out
 
 
 def counters_of_line(spec: dict, completion_tokens: int) -> dict:
@@ -115,6 +123,7 @@ def counters_of_line(spec: dict, completion_tokens: int) -> dict:
         "num_draft_tokens": int(spec.get("num_draft_tokens") or 0),
         "num_accepted_draft_tokens": int(spec.get("num_accepted_draft_tokens") or 0),
         "num_emitted_tokens": int(completion_tokens),
+        "num_forced_tokens": int(spec.get("num_forced_tokens") or 0),
         "acceptance_histogram": hist,
         "draft_tokens_per_position": proposed,
         "accepted_per_position": accepted,

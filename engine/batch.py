@@ -28,7 +28,7 @@ import mlx.core as mx
 
 from contract.limits import MAX_DRAFT_TOKENS
 
-from . import core, sampling
+from . import core, processors, sampling
 from .core import Step
 from .drafters import LookupIndex, new_proposer, prefill_rows, prefix_of
 from .families import make_ragged_cache
@@ -36,6 +36,7 @@ from .interfaces import Decoder, Joining
 from .plain import PlainDecoder
 from .policy import HYBRID_MIN_NGRAM, Choice, DraftPolicy, Outcome
 from .prefix import prefill_cached
+from .processors import RowLogits
 
 # Squeeze holes out of a ragged cache once more than this share of its positions is waste.
 COMPACT_WASTE = 0.5
@@ -58,6 +59,8 @@ class _Row:
     lookup: LookupIndex | None = None  # lookup drafter, or greedy auto "model" (hybrid)
     generated: int = 0
     cached_tokens: int = 0  # prompt tokens whose target state came from the prefix cache
+    # The request's logits pipeline (penalties, biases, grammar, logprobs), or None.
+    logits: RowLogits | None = None
     # A greedy "auto" row (the batch picks its draft length); read every step, so kept.
     greedy_auto: bool = field(init=False)
 
@@ -98,15 +101,18 @@ class BatchDecoder(Decoder):
         num_draft_tokens,
         max_tokens: int,
         plan=None,
+        logits: RowLogits | None = None,
     ) -> None:
         """Queue a new row; it is prefilled, with every row joining at the same
-        time in one batched pass, at the start of the next step."""
+        time in one batched pass, at the start of the next step. `logits`: the row's
+        processors (penalties, biases, grammar) and logprobs, or None."""
         if not prompt_ids:
             raise core.InvalidRequestError("the prompt is empty: give at least one token")
         if drafter == "model" and self.proposer is None:  # no draft model, no DFlash
             raise core.InvalidRequestError(NO_DRAFT_MODEL)
         fixed = None if num_draft_tokens == "auto" else int(num_draft_tokens)
         row = _Row(key, params, seed, drafter, fixed, plan, max_tokens, prompt_ids[-1])
+        row.logits = logits
         if drafter == "lookup":
             row.lookup = LookupIndex(list(prompt_ids))
         elif drafter == "model" and row.greedy_auto and plan.lookup:
@@ -211,8 +217,13 @@ class BatchDecoder(Decoder):
         # recurrent layers may forget the passes before it.
         self.t_rows.checkpoint()
         choices = self.policy.choose(self.rows)
+        chosen, forced = choices, self._force(choices)
+        if forced:
+            choices = [forced.get(i, c) for i, c in enumerate(choices)]
         t0 = time.perf_counter()
         drafts, q = self._draft(choices)
+        if self._constrained:
+            self._trim(drafts, q)
         t1 = time.perf_counter()
         width = max(len(d) for d in drafts) + 1
         inputs = [
@@ -226,6 +237,10 @@ class BatchDecoder(Decoder):
             features = cap.features
         else:
             logits = self.pair.target(mx.array(inputs), cache=self.t_cache)
+        raw = logits
+        if self._processed:
+            row_logits = [r.logits for r in self.rows]
+            logits = processors.process(logits, row_logits, drafts, self._executor())
         results = self._verify(logits, drafts, q)
         t2 = time.perf_counter()
         accepted = [n for n, _ in results]  # what the drafts earned: the policy learns it
@@ -236,7 +251,11 @@ class BatchDecoder(Decoder):
         self.t_rows.advance(width, keep)
         if features is not None:
             self.proposer.observe_target(features, keep)
-        steps = self._finish(choices, kept, results, t1 - t0, t2 - t1)
+        steps = self._finish(choices, kept, results, t1 - t0, t2 - t1, raw)
+        if forced:  # tokens the grammar forced are no evidence of what drafting earns
+            choices = chosen
+            drafts = [[] if i in forced else d for i, d in enumerate(drafts)]
+            accepted = [0 if i in forced else n for i, n in enumerate(accepted)]
         for rows in (self.t_rows, self.proposer.rows if self.proposer is not None else None):
             if rows is not None and rows.waste() > COMPACT_WASTE:
                 rows.compact()
@@ -272,8 +291,47 @@ class BatchDecoder(Decoder):
                 kept[i] = []
         return results, kept
 
+    @property
+    def _processed(self) -> bool:
+        return any(r.logits is not None and r.logits.transforms for r in self.rows)
+
+    @property
+    def _constrained(self) -> bool:
+        return any(r.logits is not None and r.logits.matcher is not None for r in self.rows)
+
+    def _executor(self):
+        grammars = getattr(self.pair, "_grammars", None)
+        return grammars.executor if grammars is not None else None
+
+    def _force(self, choices: list[Choice]) -> dict[int, Choice]:
+        """Rows whose grammar allows exactly one continuation: those tokens are their
+        draft this step, proposed without the drafter (source "forced"), verified by the
+        target like any draft."""
+        forced = {}
+        for i, row in enumerate(self.rows):
+            if row.logits is not None and row.logits.constrained:
+                tokens = row.logits.forced(row.budget())
+                if tokens:
+                    forced[i] = Choice(len(tokens), "forced", tokens)
+        return forced
+
+    def _trim(self, drafts: list[list[int]], q: dict) -> None:
+        """Cut every constrained row's draft at the first token its grammar refuses (and
+        the law it was drawn from with it)."""
+        for i, row in enumerate(self.rows):
+            if row.logits is None or row.logits.matcher is None or not drafts[i]:
+                continue
+            kept = row.logits.trim(drafts[i])
+            if len(kept) < len(drafts[i]):
+                drafts[i] = kept
+                if i in q:
+                    if kept:
+                        q[i] = q[i][: len(kept)]
+                    else:
+                        del q[i]
+
     def _draft(self, choices: list[Choice]) -> tuple[list[list[int]], dict]:
-        drafts = [list(c.tokens or []) if c.source == "lookup" else [] for c in choices]
+        drafts = [list(c.tokens or []) if c.source in ("lookup", "forced") else [] for c in choices]
         q: dict[int, mx.array] = {}
         want = {r.key: c.k for r, c in zip(self.rows, choices, strict=True) if c.source == "model"}
         if self.proposer is None or not want:
@@ -339,17 +397,24 @@ class BatchDecoder(Decoder):
         )
         return core.accept_sampled(p, mx.stack(laws), tokens, lengths, u, noise)
 
-    def _finish(self, choices, drafts, results, draft_s, verify_s) -> dict:
+    def _finish(self, choices, drafts, results, draft_s, verify_s, raw) -> dict:
         emitted_by_key, accepted_by_key, steps = {}, {}, {}
-        for row, c, d, (n, nxt) in zip(self.rows, choices, drafts, results, strict=True):
-            emitted = d[:n] + [nxt]
-            row.target_pending = nxt
+        emitted_rows = [d[:n] + [nxt] for d, (n, nxt) in zip(drafts, results, strict=True)]
+        row_logits = [r.logits for r in self.rows]
+        logprobs = processors.logprobs_of(raw, row_logits, emitted_rows)
+        for i, (row, c, d, (n, _)) in enumerate(
+            zip(self.rows, choices, drafts, results, strict=True)
+        ):
+            emitted = emitted_rows[i]
+            row.target_pending = emitted[-1]
             if row.lookup is not None:
                 row.lookup.append(emitted)
+            if row.logits is not None:
+                row.logits.commit(emitted)
             row.generated += len(emitted)
             emitted_by_key[row.key], accepted_by_key[row.key] = emitted, n
             source = c.source if d else "none"
-            steps[row.key] = Step(emitted, len(d), n, draft_s, verify_s, source)
+            steps[row.key] = Step(emitted, len(d), n, draft_s, verify_s, source, logprobs.get(i))
         if self.proposer is not None:
             self.proposer.commit(emitted_by_key, accepted_by_key)
         return steps
@@ -410,6 +475,7 @@ class SpeculativeDecoder:
         num_draft_tokens: int | str = "auto",
         max_tokens: int = 256,
         plan=None,
+        logits: RowLogits | None = None,
     ):
         if num_draft_tokens == 0 or not decoder_class(pair).speculative:
             drafter, num_draft_tokens = "none", 1
@@ -427,6 +493,7 @@ class SpeculativeDecoder:
             num_draft_tokens=num_draft_tokens,
             max_tokens=max_tokens,
             plan=plan,
+            logits=logits,
         )
         self.max_tokens = max_tokens
         self.generated = 0

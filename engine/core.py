@@ -36,7 +36,9 @@ class Step:
     accepted: int
     draft_s: float
     verify_s: float
-    source: str = "model"  # "model", "lookup" or "none" (K = 0)
+    source: str = "model"  # "model", "lookup", "forced" (by a grammar) or "none" (K = 0)
+    #: With logprobs: per emitted token, (its raw log-probability, [(token, logprob)]).
+    logprobs: list | None = None
 
 
 def accept_greedy(best: list[int], drafts: list[int]) -> tuple[int, int]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from . import sampling
+from . import processors, sampling
 from .core import InvalidRequestError, Step
 from .interfaces import Decoder
 
@@ -33,6 +33,7 @@ class _PlainRow:
     pending: int  # the newest token, not yet fed to the target
     cache: list = field(repr=False, default_factory=list)
     generated: int = 0
+    logits: processors.RowLogits | None = None
 
 
 class PlainDecoder(Decoder):
@@ -58,6 +59,7 @@ class PlainDecoder(Decoder):
         num_draft_tokens=1,
         max_tokens: int = 0,
         plan=None,
+        logits: processors.RowLogits | None = None,
     ) -> None:
         """Queue a row (drafter, num_draft_tokens, max_tokens and plan are not used:
         nothing drafts here, and the caller stops the row)."""
@@ -68,7 +70,7 @@ class PlainDecoder(Decoder):
         if len(prompt_ids) > 1:
             model(mx.array([prompt_ids[:-1]]), cache=cache)
             mx.eval([c.state for c in cache])
-        self.rows.append(_PlainRow(key, params, seed, prompt_ids[-1], cache))
+        self.rows.append(_PlainRow(key, params, seed, prompt_ids[-1], cache, 0, logits))
 
     def remove(self, key) -> None:
         self.rows = [r for r in self.rows if r.key != key]
@@ -82,7 +84,12 @@ class PlainDecoder(Decoder):
         steps = {}
         for row in self.rows:
             t0 = time.perf_counter()
-            logits = self.pair.target(mx.array([[row.pending]]), cache=row.cache)[:, -1]
+            raw = self.pair.target(mx.array([[row.pending]]), cache=row.cache)[:, -1:]
+            logits = raw[:, -1]
+            if row.logits is not None and row.logits.transforms:
+                grammars = getattr(self.pair, "_grammars", None)
+                executor = grammars.executor if grammars is not None else None
+                logits = processors.process(raw, [row.logits], [[]], executor)[:, -1]
             if row.params.greedy:
                 token = mx.argmax(logits, axis=-1)
             else:
@@ -91,5 +98,10 @@ class PlainDecoder(Decoder):
                 token = sampling.sample_rows(p, sampling.gumbel_table(keys, p.shape[-1])[:, 0])
             row.pending = int(token.item())
             row.generated += 1
-            steps[row.key] = Step([row.pending], 0, 0, 0.0, time.perf_counter() - t0, "none")
+            logprobs = None
+            if row.logits is not None:
+                logprobs = processors.logprobs_of(raw, [row.logits], [[row.pending]]).get(0)
+                row.logits.commit([row.pending])
+            t = time.perf_counter() - t0
+            steps[row.key] = Step([row.pending], 0, 0, 0.0, t, "none", logprobs)
         return steps

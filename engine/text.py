@@ -14,9 +14,11 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
 from contract.defaults import choice_seed
-from contract.limits import DRAFTERS, MAX_DRAFT_TOKENS, REQUEST_BOUNDS
+from contract.limits import DRAFTERS, LOGIT_BIAS_MAX, MAX_DRAFT_TOKENS, REQUEST_BOUNDS
 
 from .batch import SpeculativeDecoder, new_decoder, request_drafter
+from .grammars import Grammars
+from .processors import RowLogits
 from .sampling import SamplingParams
 from .types import (
     ContextLengthError,
@@ -41,6 +43,10 @@ def _check(request: GenerationRequest) -> None:
     for name, ok, rule in rules:
         if not ok:
             raise InvalidRequestError(f"{name}: {rule}, got {getattr(request, name)!r}")
+    if request.top_logprobs and not request.logprobs:
+        raise InvalidRequestError(
+            f"top_logprobs: needs logprobs true, got top_logprobs={request.top_logprobs}"
+        )
     k = request.num_draft_tokens
     if k != "auto" and not (isinstance(k, int) and 1 <= k <= MAX_DRAFT_TOKENS):
         raise InvalidRequestError(
@@ -64,12 +70,114 @@ def prompt_ids(pair, request: GenerationRequest) -> list[int]:
             raise InvalidRequestError(
                 f"messages: the target {pair.name} has no chat template; send a prompt instead"
             )
-        return list(tok.apply_chat_template(list(request.messages), add_generation_prompt=True))
+        kwargs = _template_kwargs(pair, request.chat_template_kwargs)
+        return list(
+            tok.apply_chat_template(list(request.messages), add_generation_prompt=True, **kwargs)
+        )
     bos = getattr(tok, "bos_token", None)
     return list(
         tok.encode(
             request.prompt, add_special_tokens=bos is None or not request.prompt.startswith(bos)
         )
+    )
+
+
+def _template_kwargs(pair, kwargs: dict | None) -> dict:
+    """chat_template_kwargs, checked: each must be a variable the target's chat template
+    reads (a misspelt one would otherwise change nothing, silently)."""
+    if not kwargs:
+        return {}
+    template = getattr(pair.tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        raise InvalidRequestError(
+            f"chat_template_kwargs: the chat template of {pair.name} takes no variables"
+        )
+    import jinja2
+    from jinja2 import meta
+
+    known = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    for name in kwargs:
+        if name not in known:
+            raise InvalidRequestError(
+                f"chat_template_kwargs.{name}: not a variable of {pair.name}'s chat template"
+                f" (it reads: {', '.join(sorted(known - {'messages'})) or 'none'})"
+            )
+    return dict(kwargs)
+
+
+def grammars(pair) -> Grammars:
+    """The pair's compiled constraints (made on first use, kept with the pair)."""
+    found = getattr(pair, "_grammars", None)
+    if found is None:
+        found = Grammars(pair.tokenizer, pair.target_vocab)
+        pair._grammars = found
+    return found
+
+
+def _thinking(pair, ids: list[int]) -> tuple[int, int] | None:
+    """(think-start, think-end) token ids where the target has single-token thinking
+    markers, else None."""
+    tok = pair.tokenizer
+    start = getattr(tok, "think_start_tokens", None)
+    end = getattr(tok, "think_end_tokens", None)
+    if not start or not end or len(start) != 1 or len(end) != 1:
+        return None
+    return start[0], end[0]
+
+
+def _thinking_open(marks: tuple[int, int] | None, ids: list[int]) -> bool:
+    """Whether the prompt leaves a thinking section open (its last think-start comes
+    after its last think-end): the output then begins inside it."""
+    if marks is None:
+        return False
+    starts = [i for i, t in enumerate(ids) if t == marks[0]]
+    ends = [i for i, t in enumerate(ids) if t == marks[1]]
+    return bool(starts) and (not ends or starts[-1] > ends[-1])
+
+
+def _row_logits(
+    pair, request: GenerationRequest, ids: list[int], gate: int | None
+) -> RowLogits | None:
+    """The request's logits pipeline, or None where it asks for nothing of it."""
+    r = request
+    penalised = r.frequency_penalty or r.presence_penalty or r.repetition_penalty != 1.0
+    if not (r.logprobs or penalised or r.logit_bias or r.constraint):
+        return None
+    vocab = pair.target_vocab
+    bias = None
+    if r.logit_bias:
+        bias = {}
+        for key, value in r.logit_bias.items():
+            try:
+                token = int(key)
+            except (TypeError, ValueError):
+                raise InvalidRequestError(
+                    f"logit_bias: keys must be token ids, got {key!r}"
+                ) from None
+            if not 0 <= token < vocab:
+                raise InvalidRequestError(
+                    f"logit_bias.{key}: token ids must be in 0..{vocab - 1}, got {token}"
+                )
+            if (
+                not isinstance(value, (int, float))
+                or not -LOGIT_BIAS_MAX <= value <= LOGIT_BIAS_MAX
+            ):
+                raise InvalidRequestError(
+                    f"logit_bias.{key}: must be in [-{LOGIT_BIAS_MAX}, {LOGIT_BIAS_MAX}], got {value!r}"
+                )
+            bias[token] = float(value)
+    matcher = grammars(pair).matcher(r.constraint) if r.constraint else None
+    return RowLogits(
+        vocab=vocab,
+        eos=tuple(pair.tokenizer.eos_token_ids),
+        bias=bias,
+        frequency=float(r.frequency_penalty),
+        presence=float(r.presence_penalty),
+        repetition=float(r.repetition_penalty),
+        matcher=matcher,
+        gate=gate if matcher is not None else None,
+        top_logprobs=int(r.top_logprobs) if r.logprobs else None,
+        prompt=ids if r.repetition_penalty != 1.0 else [],
     )
 
 
@@ -119,6 +227,12 @@ class RequestRun:
         self.stats = SpecStats(
             drafter=pair.drafter_kind if self.drafter == "model" else self.drafter
         )
+        marks = _thinking(pair, self.ids) if request.messages is not None else None
+        self.thinking = marks if marks is not None and (_thinking_open(marks, self.ids)) else None
+        self.marks = marks
+        self.logits = _row_logits(pair, request, self.ids, marks[1] if self.thinking else None)
+        self.tokenizer = pair.tokenizer
+        self.logprobs: list | None = [] if request.logprobs else None
         self.stops = request.stop_strings()
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.eos = pair.tokenizer.eos_token_ids
@@ -142,17 +256,20 @@ class RequestRun:
             num_draft_tokens=r.num_draft_tokens,
             max_tokens=r.max_tokens,
             plan=self.plan,
+            logits=self.logits,
         )
 
     def feed(self, step) -> str:
         """Take one verified block; return the new text that is safe to show."""
         used = 0
-        for tok in step.tokens:
+        for j, tok in enumerate(step.tokens):
             used += 1
             if tok in self.eos:
                 self.finish = "stop"
                 break
             self.out.append(tok)
+            if self.logprobs is not None and step.logprobs is not None:
+                self.logprobs.append((tok, *step.logprobs[j]))
             self.detok.add_token(tok)
             if (
                 self.stops
@@ -165,7 +282,11 @@ class RequestRun:
                 break
         if self.t_first is None:
             self.t_first = time.perf_counter()
-        self.stats.record_step(step.proposed, min(step.accepted, used), used)
+        if step.source == "forced":  # the grammar's tokens, counted apart from drafts
+            self.stats.record_step(0, 0, used)
+            self.stats.num_forced_tokens += min(step.accepted, used)
+        else:
+            self.stats.record_step(step.proposed, min(step.accepted, used), used)
         if self.finish:
             return self._close()
         text = self.detok.text
@@ -195,8 +316,9 @@ class RequestRun:
         gen_s = self.t_end - self.t_start
         n_out, n_in = len(self.out), len(self.ids)
         self.stats.num_emitted_tokens = n_out
+        text, reasoning = self._split_reasoning()
         return GenerationResult(
-            text=self.text,
+            text=text,
             token_ids=self.out,
             finish_reason=self.finish,
             usage={
@@ -214,7 +336,42 @@ class RequestRun:
                 "speculative_decoding": self.stats.to_dict(),
             },
             stats=self.stats,
+            logprobs=self._logprobs(),
+            reasoning=reasoning,
         )
+
+    def _split_reasoning(self) -> tuple[str, str | None]:
+        """(answer, reasoning) of a chat request to a thinking target: the text inside
+        the thinking section is the reasoning, what follows its end (leading newlines
+        dropped) the answer. (text, None) where the target or the prompt has none."""
+        if self.marks is None:
+            return self.text, None
+        tok = self.tokenizer
+        start, end = tok.think_start, tok.think_end
+        text = self.text
+        if self.thinking is None:
+            if not (self.out and self.out[0] == self.marks[0]):
+                return text, None
+            at = text.find(start)
+            text = text[at + len(start) :] if at >= 0 else text
+        at = text.find(end)
+        if at < 0:  # cut off (max_tokens) while still thinking
+            return "", text.strip("\n")
+        return text[at + len(end) :].lstrip("\n"), text[:at].strip("\n")
+
+    def _logprobs(self) -> list[dict] | None:
+        """OpenAI's `logprobs.content` entries for the output tokens."""
+        if self.logprobs is None:
+            return None
+
+        def entry(token: int, logprob: float) -> dict:
+            text = self.tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        return [
+            {**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in top]}
+            for tok, lp, top in self.logprobs[: len(self.out)]
+        ]
 
 
 def stream(pair, request: GenerationRequest) -> Iterator[StreamItem]:
@@ -281,6 +438,7 @@ def generate_many(
                 num_draft_tokens=request.num_draft_tokens,
                 max_tokens=request.max_tokens,
                 plan=run.plan,
+                logits=run.logits,
             )
         if not runs:
             return

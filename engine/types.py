@@ -103,6 +103,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_draft_tokens: int = 0
     num_emitted_tokens: int = 0
+    num_forced_tokens: int = 0
     acceptance_histogram: list[int] = field(default_factory=list)
     draft_tokens_per_position: list[int] = field(default_factory=list)
     accepted_per_position: list[int] = field(default_factory=list)
@@ -132,6 +133,7 @@ class SpecStats:
         self.num_draft_tokens += other.num_draft_tokens
         self.num_accepted_draft_tokens += other.num_accepted_draft_tokens
         self.num_emitted_tokens += other.num_emitted_tokens
+        self.num_forced_tokens += other.num_forced_tokens
         for mine, theirs in (
             (self.acceptance_histogram, other.acceptance_histogram),
             (self.draft_tokens_per_position, other.draft_tokens_per_position),
@@ -152,6 +154,7 @@ class SpecStats:
             self.acceptance_histogram,
             self.draft_tokens_per_position,
             self.accepted_per_position,
+            self.num_forced_tokens,
         )
 
 
