@@ -21,6 +21,9 @@ COUNTERS = (
     # verified by the target: counted apart, so acceptance rates are the drafter's own.
     "num_forced_tokens",
 )
+#: Counters most requests leave at 0: their hash field is written only when not 0 (a
+#: missing field reads 0), so a line that uses none of it costs Redis nothing more.
+SPARSE_COUNTERS = ("num_forced_tokens",)
 #: Counters kept as a list, one integer per index (accepted count or draft position),
 #: and the short name their hash fields use: `sd:hist:<i>`, `sd:dpp:<i>`, `sd:app:<i>`.
 SERIES = {
@@ -135,7 +138,11 @@ def to_fields(counters: Mapping) -> dict[str, int]:
     `sd:hist:<i>`, ..., and `sd:drafter:<name>` set to 1), which Redis sums field by
     field. counters: SpecStats' fields (`dataclasses.asdict(SpecStats)`) or the
     result of `counters_of_line`."""
-    fields = {f"{FIELD_PREFIX}{name}": int(counters.get(name, 0)) for name in COUNTERS}
+    fields = {
+        f"{FIELD_PREFIX}{name}": int(counters.get(name, 0))
+        for name in COUNTERS
+        if name not in SPARSE_COUNTERS or counters.get(name)
+    }
     for name, short in SERIES.items():
         for i, n in enumerate(counters.get(name) or []):
             fields[f"{FIELD_PREFIX}{short}:{i}"] = int(n)

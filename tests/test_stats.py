@@ -79,7 +79,12 @@ def test_hash_fields_round_trip_the_counters():
         "sd:app:2": 1,
         "sd:drafter:lookup": 1,
     }
-    assert stats.from_fields({k: str(v) for k, v in flat.items()}) == counters
+    assert stats.from_fields({k: str(v) for k, v in flat.items()}) == {
+        **counters,
+        "num_forced_tokens": 0,
+    }
+    forced = stats.to_fields({**counters, "num_forced_tokens": 5})
+    assert forced == {**flat, "sd:num_forced_tokens": 5}
     both = {**flat, "sd:drafter:model": 1, "completed": 2}
     assert stats.from_fields(both)["drafter"] == "mixed"
     assert stats.from_fields({})["acceptance_histogram"] == []
