@@ -468,7 +468,7 @@ def test_rows_started_from_the_prefix_cache_are_exact_under_constraints(pair):
 # -- sampling follows the processed target law ----------------------------------------------
 
 V6 = ["<e>", "a", "b", "c", "d", "e"]
-V6_REGEX = "[ab][ca][a-e][a-e]+"  # never complete within the 3 tokens drawn: EOS stays masked
+V6_REGEX = "(ab|c)[a-e][a-e]+"  # "b" forced after "a"; never complete in the 3 tokens drawn
 V6_PARAMS = engine.sampling.SamplingParams(temperature=1.5)  # wide enough for many sequences
 V6_EXTRA = dict(bias={2: 1.0, 5: -0.5}, frequency=0.6, presence=0.3, repetition=1.4)
 
@@ -575,3 +575,139 @@ def test_sampling_under_a_grammar_and_penalties_follows_the_processed_law(v6):
     assert sum(p > 0 for p in law.values()) >= 8  # the grammar leaves room to sample
     counts = _v6_draw(v6, 6000, 1000)
     assert chi_square_p(law, counts) > P_FAIL
+
+
+# -- thinking models: reasoning apart, constraints after it ------------------------------
+
+THINK_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>\n{% if enable_thinking is defined and "
+    "not enable_thinking %}<think>\n\n</think>\n\n{% else %}<think>\n{% endif %}{% endif %}"
+)
+
+
+@pytest.fixture(scope="module")
+def thinker(tmp_path_factory):
+    import tiny_models
+
+    tmp = tmp_path_factory.mktemp("thinker")
+    specials = tiny_models.SPECIALS
+    tiny_models.SPECIALS = [*specials, "<think>", "</think>"]
+    try:
+        tiny_models.build_tokenizer(tmp / "tok")
+    finally:
+        tiny_models.SPECIALS = specials
+    config = json.loads((tmp / "tok" / "tokenizer_config.json").read_text())
+    config["chat_template"] = THINK_TEMPLATE
+    (tmp / "tok" / "tokenizer_config.json").write_text(json.dumps(config))
+    vocab = len(json.loads((tmp / "tok" / "tokenizer.json").read_text())["model"]["vocab"])
+    tiny_models.build_llama(
+        tmp / "t", vocab_size=vocab, hidden=64, seed=1, scale=3.0, tokenizer_from=tmp / "tok"
+    )
+    tiny_models.build_llama(
+        tmp / "d",
+        vocab_size=vocab,
+        hidden=32,
+        layers=1,
+        seed=2,
+        scale=3.0,
+        tokenizer_from=tmp / "tok",
+    )
+    return engine.load_pair(tmp / "t", tmp / "d", calibrate=False)
+
+
+def _think_reference(pair, ids, max_tokens, bias, constraint=None) -> list[int]:
+    """Target-only greedy with the bias, the constraint masking only after </think>."""
+    end = pair.tokenizer.think_end_tokens[0]
+    vocab = pair.target_vocab
+    matcher = grammars(pair).matcher(constraint) if constraint else None
+
+    def process(tokens, logits):
+        out = tokens.tolist()[len(ids) :]
+        x = np.array(logits[0].astype(mx.float32))
+        for t, b in bias.items():
+            x[t] += b
+        if matcher is not None and end in out:
+            m = matcher.deep_copy()
+            assert m.consume_tokens(out[out.index(end) + 1 :])
+            bits = allocate_token_bitmask(1, vocab)
+            fill_next_token_bitmask(m, bits)
+            x[~np.unpackbits(bits.view(np.uint8), bitorder="little")[:vocab].astype(bool)] = -np.inf
+        return mx.array(x)[None]
+
+    out = []
+    for token, _ in generate_step(
+        mx.array(ids), pair.target, max_tokens=max_tokens, logits_processors=[process]
+    ):
+        if int(token) in pair.tokenizer.eos_token_ids:
+            break
+        out.append(int(token))
+    return out
+
+
+def _detokenize(pair, tokens) -> str:
+    detok = pair.tokenizer.detokenizer
+    detok.reset()
+    for t in tokens:
+        detok.add_token(t)
+    detok.finalize()
+    return detok.text
+
+
+def test_reasoning_is_split_from_the_answer_and_the_constraint_applies_after_it(thinker):
+    pair = thinker
+    assert pair.tokenizer.has_thinking
+    end = pair.tokenizer.think_end_tokens[0]
+    messages = [{"role": "user", "content": "def f"}]
+    bias = {end: 8.0}  # ends the thinking after 6 tokens
+    for constraint, drafter, k in (
+        (None, "model", 3),
+        (CONSTRAINTS["regex"], "model", 3),
+        (CONSTRAINTS["regex"], "lookup", 2),
+    ):
+        req = GenerationRequest(
+            messages=messages,
+            max_tokens=40,
+            logit_bias=bias,
+            constraint=constraint,
+            drafter=drafter,
+            num_draft_tokens=k,
+        )
+        ids = list(pair.tokenizer.apply_chat_template(messages, add_generation_prompt=True))
+        assert ids[-2] == pair.tokenizer.think_start_tokens[0]  # the template opened thinking
+        ref = _think_reference(pair, ids, 40, bias, constraint)
+        assert end in ref[1:], "the bias should end the thinking after a few tokens"
+        for res in (engine.generate(pair, req), dict(engine.generate_many(pair, [req, req]))[1]):
+            assert res.token_ids == ref
+            cut = ref.index(end)
+            text = _detokenize(pair, ref)
+            at = text.index("</think>")
+            assert res.reasoning == text[:at].strip("\n") and "</think>" not in res.reasoning
+            assert res.text == text[at + len("</think>") :].lstrip("\n")
+            if constraint is not None:
+                assert __import__("re").fullmatch(constraint["pattern"], res.text)
+                assert res.finish_reason == "stop"
+
+
+def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_refused(thinker):
+    pair = thinker
+    messages = [{"role": "user", "content": "def f"}]
+    on = engine.generate(pair, GenerationRequest(messages=messages, max_tokens=5))
+    off = engine.generate(
+        pair,
+        GenerationRequest(
+            messages=messages, max_tokens=5, chat_template_kwargs={"enable_thinking": False}
+        ),
+    )
+    # The template closed the thinking section: "\n\n</think>\n\n" more prompt tokens.
+    assert off.usage["prompt_tokens"] > on.usage["prompt_tokens"]
+    assert off.reasoning is None
+    with pytest.raises(
+        engine.InvalidRequestError, match="chat_template_kwargs.enable_thinkin: not a variable"
+    ):
+        engine.generate(
+            pair,
+            GenerationRequest(
+                messages=messages, max_tokens=5, chat_template_kwargs={"enable_thinkin": False}
+            ),
+        )
