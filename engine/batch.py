@@ -76,6 +76,8 @@ class BatchDecoder(Decoder):
     """Decode one or many requests together. `add` rows, call `step` until they finish."""
 
     speculative = True
+    #: Propose the tokens a grammar forces as free drafts (off only to measure what they earn).
+    force_grammar_tokens = True
 
     def __init__(self, pair):
         self.pair = pair
@@ -308,6 +310,8 @@ class BatchDecoder(Decoder):
         draft this step, proposed without the drafter (source "forced"), verified by the
         target like any draft."""
         forced = {}
+        if not self.force_grammar_tokens:
+            return forced
         for i, row in enumerate(self.rows):
             if row.logits is not None and row.logits.constrained:
                 tokens = row.logits.forced(row.budget())
