@@ -679,7 +679,6 @@ def test_reasoning_is_split_from_the_answer_and_the_constraint_applies_after_it(
         assert end in ref[1:], "the bias should end the thinking after a few tokens"
         for res in (engine.generate(pair, req), dict(engine.generate_many(pair, [req, req]))[1]):
             assert res.token_ids == ref
-            cut = ref.index(end)
             text = _detokenize(pair, ref)
             at = text.index("</think>")
             assert res.reasoning == text[:at].strip("\n") and "</think>" not in res.reasoning
