@@ -77,6 +77,7 @@ def test_healthy_setup_exits_0(models, redis_url):
         "pair",
         "features",
         "prefix cache",
+        "acceptance",
         "speculation",
     ]
     assert (
@@ -86,8 +87,9 @@ def test_healthy_setup_exits_0(models, redis_url):
     assert [status[k] for k in ("redis", "redis version", "redis maxmemory-policy")] == ["OK"] * 3
     assert (status["memory"], status["pair"]) == ("OK", "OK")
     # The private test server runs without persistence; MLX warns without OpenBLAS; random
-    # tiny models may not pay for speculation. None of these is a FAIL.
-    assert {status[k] for k in ("redis persistence", "mlx", "speculation")} <= {"OK", "WARN"}
+    # tiny models may not pay for speculation, nor get drafts accepted. None is a FAIL.
+    checks = ("redis persistence", "mlx", "acceptance", "speculation")
+    assert {status[k] for k in checks} <= {"OK", "WARN"}
     assert f"OK   redis: reachable at {redact(redis_url)}\n" in res.stdout
     assert "drafter model, 3 prompts x 48 tokens: acceptance rate " in res.stdout
     assert "spec-doctor: ready (" in res.stderr

@@ -364,6 +364,25 @@ def check_prefix(pair) -> Check:
     return Check(status, "prefix cache", engine.prefix_line(pair).split(": ", 1)[1])
 
 
+def check_drafts_accepted(pair) -> Check | None:
+    """Whether the drafter's drafts get accepted on a few greedy tokens (the worker's
+    start-up check, engine.acceptance_check); None when the pair has nothing to draft."""
+    from engine.acceptance_check import check_acceptance
+
+    try:
+        found = check_acceptance(pair)
+    except Exception as exc:  # jobs would fail the same way: say how
+        return Check("FAIL", "acceptance", f"drafting a few tokens failed: {exc!r}")
+    if found is None:
+        return None
+    warning = found.warning()
+    return (
+        Check("WARN", "acceptance", warning)
+        if warning
+        else Check("OK", "acceptance", found.summary())
+    )
+
+
 def _timed(pair, drafter: str) -> tuple[float, int, dict]:
     import engine
 
@@ -430,6 +449,9 @@ def run_checks(redis_url, target, draft, context, memory_gb, bench, echo) -> lis
         return checks
     add(check_features(pair))
     add(check_prefix(pair))
+    accepted = check_drafts_accepted(pair)
+    if accepted is not None:
+        add(accepted)
     if bench:
         add(check_speculation(pair))
     return checks
