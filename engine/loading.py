@@ -59,6 +59,8 @@ class ModelPair:
         """Versions, device, BLAS and model facts, for logs and `spec-doctor`."""
         import mlx_lm
 
+        # How the checkpoint's norms were read, where a drafter says (engine.mtp).
+        layout = self.dflash.info().get("layout") if self.dflash is not None else None
         return {
             "name": self.name,
             "target": self.target_path,
@@ -73,6 +75,7 @@ class ModelPair:
             "device": str(mx.default_device()),
             "blas": blas_info(),
             "features": self.features().as_dict(),
+            **({"draft_layout": layout} if layout else {}),
         }
 
     @property

@@ -17,6 +17,8 @@ the target's hidden states of the verify pass, as the head was trained.
 from __future__ import annotations
 
 import json
+import struct
+from dataclasses import dataclass
 from pathlib import Path
 
 import mlx.core as mx
@@ -40,6 +42,8 @@ _NORM_SUFFIXES = (
     ".k_norm.weight",
 )
 _NORMS = ("norm.weight", "pre_fc_norm_embedding.weight", "pre_fc_norm_hidden.weight")
+# The safetensors format's own bound on a header.
+_MAX_HEADER_BYTES = 100 * 1024 * 1024
 
 
 def is_mtp_spec(draft) -> bool:
@@ -90,9 +94,10 @@ class MTPDrafter:
     kind = "mtp"
     block = False  # K drafts cost K head passes
 
-    def __init__(self, head: MTPHead, target: nn.Module, path: str):
+    def __init__(self, head: MTPHead, target: nn.Module, path: str, layout: NormLayout):
         self.head = head
         self.path = path
+        self.layout = layout
         self.embed, self.lm_head = target_embed_and_head(target)
         self.final_norm = _inner(target).norm
 
@@ -125,6 +130,7 @@ class MTPDrafter:
             "layers": len(self.head.layers),
             "parameters": sum(v.size for _, v in tree_flatten(self.head.parameters())),
             "source": f"{self.path} (mtp.* weights)",
+            "layout": self.layout.describe(),
         }
 
     def describe(self) -> str:
@@ -132,7 +138,7 @@ class MTPDrafter:
         d = self.info()
         return (
             f"the target's own MTP head, {d['layers']} layer(s), "
-            f"{d['parameters'] / 1e6:.3g}M parameters"
+            f"{d['parameters'] / 1e6:.3g}M parameters, layout {d['layout']}"
         )
 
     def measure_costs(self, target):
@@ -160,19 +166,64 @@ def _mtp_name(key: str) -> str | None:
     return None
 
 
-def _weight_files(path: Path) -> list[Path]:
+def _shards(path: Path, where: str) -> list[Path]:
+    """Every safetensors file of the checkpoint: those its index names, else all."""
     index = path / "model.safetensors.index.json"
-    if index.exists():  # read only the shards that hold the head
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        names = sorted({f for k, f in weight_map.items() if _mtp_name(k) is not None})
-        return [path / n for n in names]
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            return [path / n for n in sorted(set(weight_map.values()))]
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise ModelLoadError(
+                f"{where}: cannot read the weight map of {index}: {exc!r}"
+            ) from exc
     return sorted(path.glob("*.safetensors"))
 
 
-def _hf_layout(weights: dict) -> bool:
-    # Hugging Face Qwen3.5 files store RMSNorm weights as offsets from 1 (and conv1d
-    # kernels last); mlx-lm shifts the target's norms by the same test.
-    return any("conv1d.weight" in k and v.shape[-1] != 1 for k, v in weights.items())
+def _header(file: Path, where: str) -> dict[str, list[int]]:
+    """{tensor name: shape} from a safetensors header; no tensor data is read."""
+    try:
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > _MAX_HEADER_BYTES:
+                raise ValueError(f"header of {n} bytes (at most {_MAX_HEADER_BYTES})")
+            header = json.loads(f.read(n))
+        return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, struct.error) as exc:
+        raise ModelLoadError(
+            f"{where}: cannot read the safetensors header of {file}: {exc}"
+        ) from exc
+
+
+@dataclass(frozen=True)
+class NormLayout:
+    """How the checkpoint stores RMSNorm weights, decided from all of its tensors.
+
+    Hugging Face Qwen3.5 files store them as offsets from 1 and their conv1d kernels last;
+    mlx-lm shifts the target's norms by that same test over the whole checkpoint, so the
+    head follows the target. A head alone in its own shard (common) holds no conv1d
+    weight: deciding from its shards alone would read a Hugging Face head's norms as
+    stored (about 0) and draft garbage."""
+
+    offsets: bool  # norms stored as offsets from 1: the head's are shifted on load
+    evidence: str  # which tensor decided, for the start-up line
+
+    def describe(self) -> str:
+        if self.offsets:
+            return f"Hugging Face (norms stored as offsets from 1, shifted; {self.evidence})"
+        return f"converted (norms used as stored; {self.evidence})"
+
+
+def norm_layout(shapes: dict[str, tuple[str, list[int]]]) -> NormLayout:
+    """The layout from {tensor name: (file name, shape)} of the whole checkpoint."""
+    conv = sorted((k, f, s) for k, (f, s) in shapes.items() if "conv1d.weight" in k)
+    for key, file, shape in conv:
+        if shape[-1] != 1:
+            return NormLayout(True, f"{key} in {file} has shape {shape}, its kernel last")
+    if conv:
+        key, file, shape = conv[0]
+        return NormLayout(False, f"{key} in {file} has shape {shape}, as mlx-lm converts it")
+    return NormLayout(False, "no conv1d weight: mlx-lm reads the target's norms as stored too")
 
 
 def load_mtp(target_path: str, target: nn.Module, config: dict) -> MTPDrafter:
@@ -202,11 +253,11 @@ def load_mtp(target_path: str, target: nn.Module, config: dict) -> MTPDrafter:
             f"{where}: config has no text_config.mtp_num_hidden_layers: this checkpoint "
             "has no MTP head (use --draft DIR with a draft model or drafter)"
         )
-    files = _weight_files(path)
-    weights, layout = {}, {}
-    for f in files:
-        for key, value in mx.load(str(f)).items():
-            layout[key] = value
+    shapes = {k: (f.name, s) for f in _shards(path, where) for k, s in _header(f, where).items()}
+    layout = norm_layout(shapes)
+    weights = {}
+    for f in sorted({path / f for k, (f, _) in shapes.items() if _mtp_name(k) is not None}):
+        for key, value in mx.load(str(f)).items():  # only the shards that hold the head
             name = _mtp_name(key)
             if name is not None:
                 weights[name] = value
@@ -215,7 +266,7 @@ def load_mtp(target_path: str, target: nn.Module, config: dict) -> MTPDrafter:
             f"{where}: config says mtp_num_hidden_layers {layers} but the safetensors hold "
             "no mtp.* tensors (mlx-lm conversions drop them; use the original checkpoint)"
         )
-    if _hf_layout(layout):
+    if layout.offsets:
         weights = {
             k: v + 1.0 if (k in _NORMS or k.endswith(_NORM_SUFFIXES)) and v.ndim == 1 else v
             for k, v in weights.items()
@@ -241,7 +292,7 @@ def load_mtp(target_path: str, target: nn.Module, config: dict) -> MTPDrafter:
 
         head.update(tree_map(cast, head.parameters()))
     mx.eval(head.parameters())
-    return MTPDrafter(head, target, str(target_path))
+    return MTPDrafter(head, target, str(target_path), layout)
 
 
-__all__ = ["MTPDrafter", "MTPHead", "is_mtp_spec", "load_mtp"]
+__all__ = ["MTPDrafter", "MTPHead", "NormLayout", "is_mtp_spec", "load_mtp", "norm_layout"]

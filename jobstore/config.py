@@ -115,6 +115,11 @@ SERVE_MAX_BODY_BYTES = 1024 * 1024
 #: 0 turns the cache off. Environment: SPEC_PREFIX_CACHE_MB.
 PREFIX_CACHE_MB: int | None = None
 
+#: A worker checks at start-up, on ~32 greedy tokens of a fixed prompt, that its drafter's
+#: drafts get accepted (engine.acceptance_check), and warns if almost none are; it never
+#: stops the worker. Environment: SPEC_ACCEPTANCE_CHECK=0 skips it.
+ACCEPTANCE_CHECK = True
+
 #: Alias and batch ids are used in Redis keys and RQ job ids: keep them plain.
 ID_PATTERN = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 ALIAS_PATTERN = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
@@ -169,6 +174,13 @@ def prefix_cache_bytes() -> int | None:
     if mb < 0:
         raise ValueError(f"SPEC_PREFIX_CACHE_MB: must be >= 0, got {raw}")
     return int(mb * (1 << 20))
+
+
+def acceptance_check() -> bool:
+    """Whether a worker checks its drafter's acceptance at start-up (SPEC_ACCEPTANCE_CHECK:
+    0, false, no or off skips it)."""
+    raw = (os.environ.get("SPEC_ACCEPTANCE_CHECK") or "").strip().lower()
+    return ACCEPTANCE_CHECK if not raw else raw not in ("0", "false", "no", "off")
 
 
 def reconnect_cap_s() -> float:

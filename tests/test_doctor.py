@@ -77,6 +77,7 @@ def test_healthy_setup_exits_0(models, redis_url):
         "pair",
         "features",
         "prefix cache",
+        "acceptance",
         "speculation",
     ]
     assert (
@@ -86,8 +87,9 @@ def test_healthy_setup_exits_0(models, redis_url):
     assert [status[k] for k in ("redis", "redis version", "redis maxmemory-policy")] == ["OK"] * 3
     assert (status["memory"], status["pair"]) == ("OK", "OK")
     # The private test server runs without persistence; MLX warns without OpenBLAS; random
-    # tiny models may not pay for speculation. None of these is a FAIL.
-    assert {status[k] for k in ("redis persistence", "mlx", "speculation")} <= {"OK", "WARN"}
+    # tiny models may not pay for speculation, nor get drafts accepted. None is a FAIL.
+    checks = ("redis persistence", "mlx", "acceptance", "speculation")
+    assert {status[k] for k in checks} <= {"OK", "WARN"}
     assert f"OK   redis: reachable at {redact(redis_url)}\n" in res.stdout
     assert "drafter model, 3 prompts x 48 tokens: acceptance rate " in res.stdout
     assert "spec-doctor: ready (" in res.stderr
@@ -185,3 +187,61 @@ def test_a_target_without_an_exact_ragged_form_is_named_with_what_still_works(tm
     res = _doctor("--target", str(target), "--draft", str(target), "--no-bench")
     assert res.exit_code == 1
     assert "FAIL model family: target model: model type 'falcon_h1'" in res.stdout
+
+
+# -- whether the draft pays: alternating runs, a verdict only where the range agrees -----
+ADVICE_START = "the draft does not pay here; use a draft from the same family"
+
+
+@pytest.mark.parametrize(
+    "rates, status, words",
+    [
+        # (draft tokens/s, plain tokens/s) per alternating pair
+        ([(12.3, 10.0), (7.7, 10.0), (11.0, 10.0)], "WARN", "0.77-1.23x over 3 alternating"),
+        ([(12.0, 10.0), (10.0, 10.0), (15.0, 10.0)], "OK", "1.00-1.50x over 3 alternating"),
+        ([(9.0, 10.0), (5.0, 10.0), (9.9, 10.0)], "WARN", "0.50-0.99x over 3 alternating"),
+        ([(11.0, 10.0)], "OK", "speedup 1.10x over 1 alternating"),
+    ],
+)
+def test_the_speed_verdict_is_the_whole_ranges(rates, status, words):
+    from worker.doctor import speed_verdict
+
+    got_status, got = speed_verdict(rates)
+    assert got_status == status and words in got, got
+    low, high = (min(d / p for d, p in rates), max(d / p for d, p in rates))
+    if low >= 1.0:
+        assert got.endswith(": the draft pays here")
+    elif high < 1.0:
+        assert ADVICE_START in got and "too busy" not in got
+    else:
+        assert got.endswith(
+            ": the machine was too busy to tell (the pairs disagree on whether the draft "
+            "pays); run spec-doctor again when the machine is idle, or with more --repeats"
+        )
+        assert "does not pay" not in got  # no advice to change a draft that may pay
+
+
+def test_spec_doctor_alternates_draft_and_plain_and_reports_the_range(models, monkeypatch):
+    import worker.doctor as doctor
+
+    # A busy machine: the same pair measures 1.23x, then 0.77x (seconds per run).
+    seconds = iter([1.0, 1.23, 1.3, 1.0, 1.0, 1.1])
+    order = []
+
+    def timed(pair, drafter, stats):
+        order.append(drafter)
+        return next(seconds), 100
+
+    monkeypatch.setattr(doctor, "_timed", timed)
+    res = _doctor(
+        "--target", str(models / "target"), "--draft", str(models / "draft"), "--repeats", "3"
+    )
+    assert res.exit_code == 0, res.output
+    assert order == ["model", "none"] * 3
+    line = next(ln for ln in res.stdout.splitlines() if " speculation:" in ln)
+    assert line.startswith(
+        "WARN speculation: drafter model, 3 prompts x 48 tokens: no drafts made ('auto' chose "
+        "plain steps), "
+    )
+    assert "76.9-100.0 tokens/s vs 81.3-100.0 plain; speedup 0.77-1.23x over 3 " in line
+    assert "the machine was too busy to tell" in line

@@ -17,7 +17,7 @@ import pytest
 from conftest import script
 from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
 from tiny_families import build_model, tokenizer_dir
-from tiny_heads import add_mtp_head, to_hf_layout
+from tiny_heads import add_mtp_head, to_hf_layout, to_shards
 from tiny_models import reference_greedy
 
 import engine
@@ -302,6 +302,59 @@ def test_a_hugging_face_layout_checkpoint_drafts_the_same(tiny_dir, mtp_pair, tm
     assert mx.allclose(hf.dflash.step(x, h, None), mtp_pair.dflash.step(x, h, None), atol=1e-5)
 
 
+# Sharded checkpoints: the target in the first shard, the head alone in the last
+# ("alone"), or the head split over two shards of its own ("split").
+SHARDINGS = {
+    "alone": lambda key: 1 if key.startswith("mtp.") else 0,
+    "split": lambda key: (2 if ".layers." in key else 1) if key.startswith("mtp.") else 0,
+}
+
+
+@pytest.mark.parametrize(
+    "layout, sharding",
+    [("hugging-face", "alone"), ("hugging-face", "split"), ("converted", "alone")],
+)
+def test_a_sharded_checkpoint_is_read_in_the_whole_checkpoints_layout(
+    tiny_dir, mtp_pair, tmp_path, layout, sharding
+):
+    # The layout is decided from every shard (the target's conv1d kernels), never from the
+    # head's shards alone: a Hugging Face head is shifted once, a converted one never.
+    src = to_hf_layout(tiny_dir, tmp_path / "hf") if layout == "hugging-face" else tiny_dir
+    path = to_shards(src, tmp_path / "sharded", SHARDINGS[sharding])
+    files = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    head_files = {f for k, f in files.items() if k.startswith("mtp.")}
+    assert not any("conv1d" in k for k, f in files.items() if f in head_files)
+    pair = engine.load_pair(path, "mtp", calibrate=False)
+    read = pair.info()["draft_layout"]
+    if layout == "hugging-face":
+        assert read.startswith("Hugging Face (norms stored as offsets from 1, shifted; ")
+        assert "conv1d.weight in model-00001-of-" in read
+    else:
+        assert read.startswith("converted (norms used as stored; ")
+    # The head's norms are the converted file's (about 1 here), whichever file it came from.
+    stored = mx.load(str(tiny_dir / "model.safetensors"))
+    head = pair.dflash.head
+    for name, loaded in (
+        ("norm", head.norm),
+        ("layers.0.input_layernorm", head.layers[0].input_layernorm),
+    ):
+        assert mx.allclose(loaded.weight, stored[f"mtp.{name}.weight"], atol=1e-6), name
+    h = mx.random.normal((1, 4, head.hidden_size), key=mx.random.key(0))
+    x = mx.array([mtp_pair.tokenizer.encode(PROMPTS[0])[:4]])
+    assert mx.allclose(pair.dflash.step(x, h, None), mtp_pair.dflash.step(x, h, None), atol=1e-5)
+
+
+def test_a_shard_the_index_names_but_that_is_missing_is_named(tiny_dir, tmp_path):
+    path = to_shards(tiny_dir, tmp_path / "sharded", SHARDINGS["alone"])
+    (path / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ModelLoadError) as info:
+        mtp.load_mtp(str(path), None, json.loads((path / "config.json").read_text()))
+    assert str(info.value).startswith(
+        f"--draft mtp: target {path}: cannot read the safetensors header of "
+        f"{path / 'model-00002-of-00002.safetensors'}: "
+    )
+
+
 def test_spec_doctor_names_the_mtp_head(tiny_dir):
     from click.testing import CliRunner
 
@@ -314,7 +367,11 @@ def test_spec_doctor_names_the_mtp_head(tiny_dir):
     assert res.exit_code == 0, res.output
     lines = res.stdout.splitlines()
     pair = next(ln for ln in lines if ln.startswith("OK   pair:"))
-    assert pair.endswith("drafter mtp: the target's own MTP head, 1 layer(s), 0.0495M parameters")
+    assert "drafter mtp: the target's own MTP head, 1 layer(s), 0.0495M parameters, " in pair
+    assert pair.endswith(
+        ", layout converted (norms used as stored; language_model.model.layers.0.linear_attn"
+        ".conv1d.weight in model.safetensors has shape [64, 4, 1], as mlx-lm converts it)"
+    )
     memory = next(ln for ln in lines if " memory:" in ln)
     assert memory.startswith("OK") and "draft" not in memory  # the head is in the target
     assert "; draft: mtp head, 1 layer(s)" in next(ln for ln in lines if " features:" in ln)
@@ -334,6 +391,7 @@ def test_spec_worker_with_draft_mtp_serves_a_batch(tiny_dir, redis_env, start_wo
     worker = start_worker("--burst", "--target", str(tiny_dir), "--draft", "mtp", "--alias", "demo")
     assert worker.wait(timeout=300) == 0, worker.log
     assert "'draft': 'mtp', 'drafter': 'mtp'" in worker.log  # the start-up line names it
+    assert "'draft_layout': 'converted (norms used as stored; " in worker.log  # and its layout
     out = tmp_path / "out.jsonl"
     assert redis_env.run("spec-collect", batch, "-o", str(out)).returncode == 0
     lines = [json.loads(line) for line in out.read_text().splitlines()]

@@ -65,6 +65,29 @@ def to_hf_layout(src: Path, dst: Path) -> Path:
     return dst
 
 
+def to_shards(src: Path, dst: Path, shard_of) -> Path:
+    """Rewrite a one-file checkpoint as published sharded ones are: shard_of(tensor name)
+    -> shard number (0, 1, ...), written as model-0000i-of-0000n.safetensors with a
+    model.safetensors.index.json weight map."""
+    dst.mkdir(parents=True, exist_ok=True)
+    weights = mx.load(str(src / "model.safetensors"))
+    groups: dict[int, dict] = {}
+    for key, value in weights.items():
+        groups.setdefault(shard_of(key), {})[key] = value
+    n = max(groups) + 1
+    weight_map = {}
+    for i, group in groups.items():
+        name = f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+        mx.save_safetensors(str(dst / name), group)
+        weight_map.update(dict.fromkeys(group, name))
+    index = {"metadata": {}, "weight_map": weight_map}
+    (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    for f in src.iterdir():
+        if f.name != "model.safetensors":
+            (dst / f.name).write_bytes(f.read_bytes())
+    return dst
+
+
 def build_eagle3(
     out: Path,
     target_dir: Path,

@@ -60,7 +60,28 @@ def _load_pair(name: str, target: str | None, draft: str | None):
     # Said once, at start-up; a warning where some state is prefilled in full every time.
     not_kept = pair.prefix is not None and pair.prefix.not_kept
     log.log(logging.WARNING if not_kept else logging.INFO, "%s", engine.prefix_line(pair))
+    if config.acceptance_check():
+        _check_acceptance(pair)
     return pair
+
+
+def _check_acceptance(pair) -> None:
+    """Said once, at start-up: a drafter whose drafts are (almost) never accepted is a
+    warning with its likely causes (engine.acceptance_check). Never stops the worker."""
+    from engine.acceptance_check import check_acceptance
+
+    try:
+        found = check_acceptance(pair)
+    except Exception as exc:  # a check, not the work: the worker serves anyway
+        log.warning("acceptance check could not run (serving anyway): %r", exc)
+        return
+    if found is not None:
+        warning = found.warning()
+        log.log(
+            logging.WARNING if warning else logging.INFO,
+            "acceptance check: %s",
+            warning or found.summary(),
+        )
 
 
 @click.command()

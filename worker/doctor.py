@@ -2,8 +2,9 @@
 
 Checks Redis (reachable, version, persistence, eviction policy), MLX (version, device,
 BLAS), the model pair (loads, tokenizers agree, fits in memory with its KV caches at
-a given context) and whether speculation pays on this machine (a short timed run
-against plain decoding). Exit status 0 when nothing FAILed, 1 otherwise.
+a given context), whether the drafter's drafts get accepted at all, and whether
+speculation pays on this machine (short timed runs alternating with plain decoding).
+Exit status 0 when nothing FAILed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ BENCH_PROMPTS = (
     "class Stack:\n    def __init__(self):",
 )
 BENCH_TOKENS = 48
+#: Draft and plain runs alternate, this many pairs: a busy machine moves the speedup from
+#: pair to pair (1.23x then 0.77x a minute apart), so only a verdict the range agrees on.
+BENCH_REPEATS = 3
 
 #: Above this share of the machine's memory the pair is a WARN: the OS needs the rest,
 #: and on a Mac the GPU may by default use only about 75% of unified memory.
@@ -364,11 +368,31 @@ def check_prefix(pair) -> Check:
     return Check(status, "prefix cache", engine.prefix_line(pair).split(": ", 1)[1])
 
 
-def _timed(pair, drafter: str) -> tuple[float, int, dict]:
+def check_drafts_accepted(pair) -> Check | None:
+    """Whether the drafter's drafts get accepted on a few greedy tokens (the worker's
+    start-up check, engine.acceptance_check); None when the pair has nothing to draft."""
+    from engine.acceptance_check import check_acceptance
+
+    try:
+        found = check_acceptance(pair)
+    except Exception as exc:  # jobs would fail the same way: say how
+        return Check("FAIL", "acceptance", f"drafting a few tokens failed: {exc!r}")
+    if found is None:
+        return None
+    warning = found.warning()
+    return (
+        Check("WARN", "acceptance", warning)
+        if warning
+        else Check("OK", "acceptance", found.summary())
+    )
+
+
+def _timed(pair, drafter: str, stats) -> tuple[float, int]:
+    """Seconds and tokens of the BENCH_PROMPTS with `drafter`; its statistics merged
+    into `stats` (an engine.SpecStats)."""
     import engine
 
     total_s, tokens = 0.0, 0
-    stats = engine.SpecStats(drafter=drafter)
     for prompt in BENCH_PROMPTS:
         request = engine.GenerationRequest(
             prompt=prompt, max_tokens=BENCH_TOKENS, temperature=0.0, drafter=drafter
@@ -378,11 +402,33 @@ def _timed(pair, drafter: str) -> tuple[float, int, dict]:
         total_s += time.perf_counter() - start
         tokens += result.usage["completion_tokens"]
         stats.merge(result.stats)
-    return total_s, tokens, stats.to_dict()
+    return total_s, tokens
 
 
-def check_speculation(pair) -> Check:
-    """Acceptance and speedup over plain decoding on this machine, greedy."""
+def speed_verdict(rates: list[tuple[float, float]]) -> tuple[str, str]:
+    """(status, words) from (draft tokens/s, plain tokens/s) of alternating runs, one pair
+    each. The range of the per-pair speedups decides: OK when the whole range says the
+    draft pays (>= 1x), WARN with advice when the whole range says it does not, else WARN
+    that the machine was too busy to tell. Raises ValueError on no pairs."""
+    if not rates:
+        raise ValueError("speed_verdict: no timed pairs")
+    ratios = [draft / plain for draft, plain in rates]
+    low, high = min(ratios), max(ratios)
+    span = f"{low:.2f}-{high:.2f}x" if len(ratios) > 1 else f"{low:.2f}x"
+    what = f"speedup {span} over {len(ratios)} alternating draft/plain pair(s)"
+    if low >= 1.0:
+        return "OK", f"{what}: the draft pays here"
+    if high < 1.0:
+        return "WARN", f"{what}: the draft does not pay here; {DRAFT_ADVICE}"
+    return "WARN", (
+        f"{what}: the machine was too busy to tell (the pairs disagree on whether the draft "
+        "pays); run spec-doctor again when the machine is idle, or with more --repeats"
+    )
+
+
+def check_speculation(pair, repeats: int = BENCH_REPEATS) -> Check:
+    """Acceptance and speedup over plain decoding on this machine, greedy: draft and plain
+    runs alternate (A B A B ...), `repeats` pairs, and the verdict is the range's."""
     import engine
 
     drafter = "model" if pair.draft is not None or pair.dflash is not None else "lookup"
@@ -390,25 +436,39 @@ def check_speculation(pair) -> Check:
         engine.generate(
             pair, engine.GenerationRequest(prompt=BENCH_PROMPTS[0], max_tokens=4, drafter=d)
         )
-    spec_s, spec_n, stats = _timed(pair, drafter)
-    plain_s, plain_n, _ = _timed(pair, "none")
-    spec_tps, plain_tps = spec_n / spec_s, plain_n / plain_s
-    speedup = spec_tps / plain_tps
-    what = (
-        f"drafter {stats['drafter']}, {len(BENCH_PROMPTS)} prompts x {BENCH_TOKENS} tokens: "
-        f"acceptance rate {stats['draft_acceptance_rate']:.2f}, mean acceptance length "
-        f"{stats['mean_acceptance_length']:.2f}, {spec_tps:.1f} tokens/s vs {plain_tps:.1f} "
-        f"plain = {speedup:.2f}x"
+    stats, plain = engine.SpecStats(drafter=drafter), engine.SpecStats(drafter="none")
+    rates = []
+    for _ in range(repeats):
+        spec_s, spec_n = _timed(pair, drafter, stats)
+        plain_s, plain_n = _timed(pair, "none", plain)
+        rates.append((spec_n / spec_s, plain_n / plain_s))
+    status, verdict = speed_verdict(rates)
+    d = stats.to_dict()
+    spec_tps, plain_tps = [r[0] for r in rates], [r[1] for r in rates]
+    accepted = (
+        f"acceptance rate {d['draft_acceptance_rate']:.2f}, mean acceptance length "
+        f"{d['mean_acceptance_length']:.2f}"
+        if stats.num_draft_tokens
+        else "no drafts made ('auto' chose plain steps)"
     )
-    if speedup < 1.0:
-        return Check("WARN", "speculation", f"{what}: the draft does not pay here; {DRAFT_ADVICE}")
-    return Check("OK", "speculation", what)
+    what = (
+        f"drafter {d['drafter']}, {len(BENCH_PROMPTS)} prompts x {BENCH_TOKENS} tokens: "
+        f"{accepted}, {_span(spec_tps)} tokens/s vs {_span(plain_tps)} plain; {verdict}"
+    )
+    return Check(status, "speculation", what)
+
+
+def _span(values: list[float]) -> str:
+    low, high = min(values), max(values)
+    return f"{low:.1f}-{high:.1f}" if f"{low:.1f}" != f"{high:.1f}" else f"{low:.1f}"
 
 
 # --- command ---------------------------------------------------------------------------
 
 
-def run_checks(redis_url, target, draft, context, memory_gb, bench, echo) -> list[Check]:
+def run_checks(
+    redis_url, target, draft, context, memory_gb, bench, echo, repeats: int = BENCH_REPEATS
+) -> list[Check]:
     """Run every check in order, passing each to `echo` as soon as it is known."""
     checks: list[Check] = []
 
@@ -430,8 +490,11 @@ def run_checks(redis_url, target, draft, context, memory_gb, bench, echo) -> lis
         return checks
     add(check_features(pair))
     add(check_prefix(pair))
+    accepted = check_drafts_accepted(pair)
+    if accepted is not None:
+        add(accepted)
     if bench:
-        add(check_speculation(pair))
+        add(check_speculation(pair, repeats))
     return checks
 
 
@@ -469,10 +532,20 @@ def run_checks(redis_url, target, draft, context, memory_gb, bench, echo) -> lis
     help="Memory to check against instead of the machine's.",
 )
 @click.option("--no-bench", is_flag=True, help="Skip the timed speculative run.")
-def main(redis_url, target, draft, context, memory_gb, no_bench):
+@click.option(
+    "--repeats",
+    type=click.IntRange(min=1),
+    default=BENCH_REPEATS,
+    show_default=True,
+    metavar="N",
+    help="Alternating draft/plain run pairs of the timed run (more: a surer verdict).",
+)
+def main(redis_url, target, draft, context, memory_gb, no_bench, repeats):
     """Check that this machine can serve as a worker: Redis, MLX, the model pair,
     memory, and whether speculation pays here. Exit status 1 when a check FAILs."""
-    checks = run_checks(redis_url, target, draft, context, memory_gb, not no_bench, click.echo)
+    checks = run_checks(
+        redis_url, target, draft, context, memory_gb, not no_bench, click.echo, repeats
+    )
     failed = [c for c in checks if c.status == "FAIL"]
     warned = sum(c.status == "WARN" for c in checks)
     if failed:
