@@ -17,6 +17,7 @@ idempotent per batch id.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -125,24 +126,41 @@ def _int(rec: dict[str, str], field: str) -> int | None:
 
 
 class BatchService:
-    """The Batches endpoints over one Redis and one FileStore."""
+    """The Batches endpoints over one Redis and one FileStore. `conn` serves requests;
+    validation and the expiry sweep run on `background` (default: `conn`), a client
+    that may wait for Redis to come back."""
 
-    def __init__(self, conn: Redis, keys: Keys, files: FileStore, skip_invalid: bool = False):
+    def __init__(
+        self,
+        conn: Redis,
+        keys: Keys,
+        files: FileStore,
+        skip_invalid: bool = False,
+        background: Redis | None = None,
+    ):
         self.conn, self.keys, self.files, self.skip_invalid = conn, keys, files, skip_invalid
+        self.background = background or conn
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+
+    def _behind(self) -> BatchService:
+        """This service on the background client (for work that no request waits on)."""
+        other = copy.copy(self)
+        other.conn = self.background
+        return other
 
     # --- life of the service -----------------------------------------------------------
 
     def start(self) -> None:
-        """Validate again the batches a previous server left `validating`, and start
-        the expiry sweep."""
+        """Delete what dead uploads left, validate again the batches a previous server
+        left `validating`, and start the expiry sweep."""
+        self._sweep_partial()
         for raw in self.conn.zrange(self.keys.api_batches, 0, -1):
             batch_id = raw.decode()
             if self.conn.hget(self.keys.api_batch(batch_id), "state") == b"validating":
                 log.info("batch %s: validating again after a restart", batch_id)
                 self._validate_in_background(batch_id)
-        sweep = threading.Thread(target=self._sweep, name="expiry-sweep", daemon=True)
+        sweep = threading.Thread(target=self._behind()._sweep, name="expiry-sweep", daemon=True)
         sweep.start()
         self._threads.append(sweep)
 
@@ -152,6 +170,7 @@ class BatchService:
     def _sweep(self) -> None:
         while not self._stop.wait(EXPIRY_SWEEP_S):
             try:
+                self._sweep_partial()
                 for file_id in self.files.delete_expired():
                     log.info("file %s: deleted, its result TTL passed", file_id)
                 self._align_ttls()
@@ -161,6 +180,10 @@ class BatchService:
                         self._expire_if_due(raw.decode(), rec)
             except Exception:  # Redis away: the next sweep tries again
                 log.warning("expiry sweep failed; trying again in %.0f s", EXPIRY_SWEEP_S)
+
+    def _sweep_partial(self) -> None:
+        for name in self.files.sweep_partial():
+            log.info("files/%s: deleted, left by an upload that did not finish", name)
 
     def _align_ttls(self) -> None:
         """Give each API record the TTL its batch has now: workers renew the batch's
@@ -223,7 +246,10 @@ class BatchService:
 
     def _validate_in_background(self, batch_id: str) -> None:
         thread = threading.Thread(
-            target=self._validate, args=(batch_id,), name=f"validate-{batch_id}", daemon=True
+            target=self._behind()._validate,
+            args=(batch_id,),
+            name=f"validate-{batch_id}",
+            daemon=True,
         )
         thread.start()
 
