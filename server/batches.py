@@ -117,6 +117,19 @@ def check_metadata(metadata) -> dict | None:
     return metadata
 
 
+def batch_usage(usage: dict) -> dict:
+    """OpenAI's Batch.usage from a batch status's `usage` (prompt, completion and cached
+    prompt tokens summed over the batch's answered lines); no reasoning is counted apart."""
+    given, made = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {
+        "input_tokens": given,
+        "input_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0)},
+        "output_tokens": made,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": given + made,
+    }
+
+
 def _decode(raw: dict) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in raw.items()}
 
@@ -282,8 +295,10 @@ class BatchService:
             )
         want = ENDPOINTS[rec["endpoint"]]
         checker = ContextChecker(self.conn, self.keys, config.DEFAULT_MODEL)
+        models: set[str] = set()
 
         def check(job: JobLine) -> LineError | None:
+            models.add(job.model or config.DEFAULT_MODEL)
             if job.endpoint != want:
                 field = "url" if job.prefix else job.prompt_field
                 return LineError(
@@ -308,6 +323,8 @@ class BatchService:
             spool = spool_file(str(path), None, config.DEFAULT_MODEL, check, on_error)
         except JobFileError as exc:
             return self._fail(batch_id, [_error(None, "input_file_id", str(exc))])
+        if len(models) == 1:  # the batch object's `model`: the one its lines name
+            self.conn.hset(self.keys.api_batch(batch_id), "model", models.pop())
         with spool:
             if spool.lines == 0:
                 return self._fail(
@@ -381,6 +398,8 @@ class BatchService:
             "error_file_id": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": json.loads(rec.get("metadata") or "null"),
+            "model": rec.get("model"),
+            "usage": batch_usage({}),
         }
         for stamp in (
             "created_at",
@@ -413,6 +432,7 @@ class BatchService:
         state = batch_status(self.conn, self.keys, batch_id)
         c = state["request_counts"]
         obj["request_counts"] = {k: c[k] for k in ("total", "completed", "failed")}
+        obj["usage"] = batch_usage(state["usage"])
         done = c["completed"] + c["failed"] >= c["total"] and state["status"] != "queued"
         key = self.keys.api_batch(batch_id)
         if rec["state"] == "expired":

@@ -1,17 +1,23 @@
-"""spec-serve, reliability round 4 (issue 46, items 3-9): in this process (FastAPI's
-TestClient), with a private redis-server where Redis has to go away."""
+"""spec-serve, reliability round 4 (issue 46, items 3-9) and the Batch API as dataset
+tools drive it (issue 48): in this process (FastAPI's TestClient), with a private
+redis-server where Redis has to go away, and the stub worker (benchmarks/stub_worker.py)
+where a batch has to finish."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import os
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
 from fastapi.testclient import TestClient
 from test_faults import NO_PERSISTENCE_ARGS, private_redis  # noqa: F401 - a fixture
@@ -20,6 +26,8 @@ from test_serve_inprocess import KEY, _create, _line, _upload, _wait, api  # noq
 from server import batches
 from server.app import LOGGED_PATH_CHARS, Settings, create_app
 from server.files import ENVELOPE_BYTES, MAX_PARTS, STALE_PARTIAL_S, FileStore, UploadError
+
+STUB_WORKER = Path(__file__).resolve().parent.parent / "benchmarks" / "stub_worker.py"
 
 
 def _error_shape(response) -> dict:
@@ -234,3 +242,62 @@ def test_while_redis_is_away_requests_get_a_503_at_once(
         f"\nfigures: redis away: refused_s={took:.2f}, create_s={took_create:.2f}, "
         f"hung_s={took_hung:.2f}"
     )
+
+
+# --- issue 48: the Batch API as dataset tools drive it -----------------------------------
+
+
+def test_the_openai_sdk_runs_a_batch_as_dataset_tools_do(api, redis_env, tmp_path):  # noqa: F811
+    lines = [
+        json.loads(_line("q0", model="demo")),
+        json.loads(_line("q1", model="demo", messages=[{"role": "user", "content": "a b c d"}])),
+        {"custom_id": "bad", "method": "POST", "url": "/v1/chat/completions", "body": {}},
+    ]
+    jobs = tmp_path / "requests.jsonl"
+    jobs.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    with api(skip_invalid=True) as http:
+        client = openai.OpenAI(
+            base_url="http://testserver/v1", api_key=KEY, http_client=http, max_retries=0
+        )
+        uploaded = client.files.create(file=jobs.open("rb"), purpose="batch")
+        deadline = time.monotonic() + 30
+        while client.files.retrieve(uploaded.id).status != "processed":
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        batch = client.batches.create(
+            input_file_id=uploaded.id,
+            endpoint="/v1/chat/completions",
+            completion_window="24h",
+            metadata={"request_file_name": "requests.jsonl", "tool": "curator"},
+        )
+        assert batch.metadata == {"request_file_name": "requests.jsonl", "tool": "curator"}
+        assert batch.usage is not None and batch.usage.total_tokens == 0
+        _wait(http, batch.id, lambda b: b["status"] != "validating")
+        worker = subprocess.run(
+            [sys.executable, str(STUB_WORKER), "--burst", "--log-level", "WARNING"],
+            env=redis_env.env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert worker.returncode == 0, worker.stderr
+        while (batch := client.batches.retrieve(batch.id)).status not in ("completed", "failed"):
+            assert time.monotonic() < deadline + 60, batch
+            time.sleep(0.05)
+        assert batch.status == "completed" and batch.model == "demo"
+        assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+        assert batch.metadata == {"request_file_name": "requests.jsonl", "tool": "curator"}
+        usage = batch.usage
+        assert usage.output_tokens == 2 and usage.input_tokens > 0  # the stub: 1 token a line
+        assert usage.total_tokens == usage.input_tokens + usage.output_tokens
+        assert usage.input_tokens_details.cached_tokens == 0
+        assert usage.output_tokens_details.reasoning_tokens == 0
+        output = [json.loads(x) for x in client.files.content(batch.output_file_id).iter_lines()]
+        assert sorted(r["custom_id"] for r in output) == ["q0", "q1"]
+        errors = [json.loads(x) for x in client.files.content(batch.error_file_id).iter_lines()]
+        assert [e["custom_id"] for e in errors] == ["bad"]
+        for file_id in (batch.output_file_id, batch.error_file_id, uploaded.id):
+            assert client.files.delete(file_id).deleted
+        assert client.batches.retrieve(batch.id).output_file_id is None
+        with pytest.raises(openai.NotFoundError):
+            client.files.retrieve(uploaded.id)
