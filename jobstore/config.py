@@ -109,6 +109,9 @@ SERVE_DATA_DIR = "spec-serve-data"
 SERVE_PORT = 8000
 SERVE_MAX_UPLOAD_BYTES = 512 * 1024 * 1024
 SERVE_MAX_BODY_BYTES = 1024 * 1024
+#: spec-serve's requests wait this long for Redis (to connect, and for each reply)
+#: before they get a 503: a client must hear back within seconds.
+SERVE_REDIS_TIMEOUT_S = 2.0
 
 #: MiB each worker's prefix cache (engine.prefix: kept prompt prefixes, target and draft
 #: together) may hold; unset (None): a tenth of the machine's memory, at most 8 GiB;

@@ -115,22 +115,34 @@ class ReconnectingRetry(Retry):
             )
 
 
-def connect(url: str | None = None, check: bool = True, reconnect: bool = True) -> Redis:
+def connect(
+    url: str | None = None,
+    check: bool = True,
+    reconnect: bool = True,
+    timeout_s: float | None = None,
+) -> Redis:
     """A client for `url` (or the configured URL), pinged once when `check`.
 
     With `reconnect` (the default), once the first ping succeeds every later command
     that loses Redis is retried for ever with capped exponential back-off (see the
-    module docstring). Raises RedisUnavailable with the redacted URL and the reason.
+    module docstring). With `timeout_s` (spec-serve's requests: someone waits on them),
+    connecting and each reply may take that long, and a lost connection is tried again
+    once, at once, a timeout not at all. Raises RedisUnavailable with the redacted URL
+    and the reason.
     """
     url = config.redis_url(url)
+    retry = Retry(NoBackoff(), 1)
+    if timeout_s is not None:
+        retry = Retry(NoBackoff(), 1, supported_errors=(redis.exceptions.ConnectionError,))
     try:
         _check_database(url)
         conn = Redis.from_url(
             url,
-            socket_connect_timeout=5,
+            socket_connect_timeout=5 if timeout_s is None else timeout_s,
+            socket_timeout=timeout_s,
             socket_keepalive=True,
             health_check_interval=30,
-            retry=Retry(NoBackoff(), 1),
+            retry=retry,
         )
         if check:
             conn.ping()

@@ -3,8 +3,14 @@
 Every response that is not a success carries OpenAI's error body
 `{"error": {"message", "type", "param", "code"}}`. Handlers that touch Redis or the disk
 are plain functions (FastAPI runs them in its thread pool); the upload is read as a
-stream. One log line per request: method, path (never the query or headers), status
+stream. One log line per request: method, path (never the query or headers; cut to
+LOGGED_PATH_CHARS and escaped, so a client cannot write long or forged log lines), status
 and milliseconds.
+
+Requests read Redis through a client that fails fast (SERVE_REDIS_TIMEOUT_S, no retry
+but one reconnect): while Redis is away they get a 503 with Retry-After at once, not a
+wait a client gives up on. Validation and the expiry sweep, which nobody waits on, use
+a client that rides out an outage (jobstore.connection).
 """
 
 from __future__ import annotations
@@ -20,15 +26,23 @@ from pathlib import Path
 from fastapi import FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 from starlette.exceptions import HTTPException
 
 from jobstore import config
 from jobstore.connection import connect
 from jobstore.keys import Keys
 from server.batches import APIError, BatchService
-from server.files import FileStore, UploadError
+from server.files import ENVELOPE_BYTES, FileStore, UploadError
 
 log = logging.getLogger("specfleet.serve")
+
+#: A logged request path is cut to this many characters (then escaped).
+LOGGED_PATH_CHARS = 200
+
+#: Seconds a client is told to wait (Retry-After) while Redis cannot be reached.
+RETRY_AFTER_S = 5
 
 
 @dataclass(frozen=True)
@@ -50,10 +64,11 @@ def _error(status: int, message: str, param=None, code=None, type_="invalid_requ
 def create_app(settings: Settings) -> FastAPI:
     """The ASGI application: connects to Redis, opens the data directory, and resumes
     the batches a previous server left validating."""
-    conn = connect(settings.redis_url)
+    conn = connect(settings.redis_url, reconnect=False, timeout_s=config.SERVE_REDIS_TIMEOUT_S)
+    background = connect(settings.redis_url, check=False)
     keys = Keys.default()
     files = FileStore(settings.data_dir, settings.max_upload_bytes)
-    service = BatchService(conn, keys, files, settings.skip_invalid)
+    service = BatchService(conn, keys, files, settings.skip_invalid, background)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -74,7 +89,7 @@ def create_app(settings: Settings) -> FastAPI:
         log.info(
             "%s %s %d %.1f ms",
             request.method,
-            request.url.path,
+            loggable(request.url.path),
             response.status_code,
             (time.perf_counter() - started) * 1000,
         )
@@ -94,9 +109,22 @@ def create_app(settings: Settings) -> FastAPI:
         param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return _error(400, f"{param}: {first.get('msg', 'invalid')}", param)
 
+    @app.exception_handler(RedisConnectionError)
+    @app.exception_handler(RedisTimeoutError)
+    async def redis_away(request, exc: Exception):
+        log.warning("%s %s: Redis unavailable: %s", request.method, loggable(request.url.path), exc)
+        response = _error(
+            503,
+            f"the fleet's Redis cannot be reached; retry in {RETRY_AFTER_S} s",
+            code="service_unavailable",
+            type_="server_error",
+        )
+        response.headers["Retry-After"] = str(RETRY_AFTER_S)
+        return response
+
     @app.exception_handler(Exception)
     async def internal(request, exc: Exception):
-        log.exception("%s %s failed", request.method, request.url.path)
+        log.exception("%s %s failed", request.method, loggable(request.url.path))
         return _error(500, f"internal error: {type(exc).__name__}", type_="server_error")
 
     # --- files -------------------------------------------------------------------------
@@ -106,8 +134,7 @@ def create_app(settings: Settings) -> FastAPI:
         try:
             return await files.create(request.headers.get("content-type", ""), request.stream())
         except UploadError as exc:
-            code = "file_too_large" if exc.status == 413 else None
-            return _error(exc.status, str(exc), exc.param, code)
+            return _error(exc.status, str(exc), exc.param, exc.code)
 
     @app.get("/v1/files")
     def list_files(
@@ -196,6 +223,14 @@ def create_app(settings: Settings) -> FastAPI:
     return app
 
 
+def loggable(path: str) -> str:
+    """A request path as it may go into the log: at most LOGGED_PATH_CHARS characters,
+    control and non-ASCII characters escaped (no line breaks, no terminal codes)."""
+    cut = path[:LOGGED_PATH_CHARS]
+    escaped = ascii(cut)[1:-1]
+    return escaped + (f"...({len(path)} chars)" if len(path) > len(cut) else "")
+
+
 def _refusal(request: Request, settings: Settings) -> JSONResponse | None:
     """The error response for a request without the API key, or with a body larger
     than allowed; None when it may go on."""
@@ -210,7 +245,7 @@ def _refusal(request: Request, settings: Settings) -> JSONResponse | None:
             return _error(401, "incorrect API key provided", code="invalid_api_key")
     length = request.headers.get("content-length")
     limit = (
-        settings.max_upload_bytes + 64 * 1024  # the multipart envelope around the file
+        settings.max_upload_bytes + ENVELOPE_BYTES  # the multipart envelope around the file
         if request.url.path == "/v1/files"
         else settings.max_body_bytes
     )
@@ -234,6 +269,8 @@ async def _json_body(request: Request, limit: int) -> dict:
         body = json.loads(data)
     except ValueError as exc:
         raise APIError(400, f"the request body is not JSON: {exc}") from exc
+    except RecursionError as exc:  # the parser recurses once per level of nesting
+        raise APIError(400, "the request body is not JSON: nested too deeply") from exc
     if not isinstance(body, dict):
         raise APIError(400, "the request body must be a JSON object")
     return body

@@ -17,6 +17,7 @@ idempotent per batch id.
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import re
@@ -116,6 +117,19 @@ def check_metadata(metadata) -> dict | None:
     return metadata
 
 
+def batch_usage(usage: dict) -> dict:
+    """OpenAI's Batch.usage from a batch status's `usage` (prompt, completion and cached
+    prompt tokens summed over the batch's answered lines); no reasoning is counted apart."""
+    given, made = usage.get("prompt_tokens", 0), usage.get("completion_tokens", 0)
+    return {
+        "input_tokens": given,
+        "input_tokens_details": {"cached_tokens": usage.get("cached_prompt_tokens", 0)},
+        "output_tokens": made,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": given + made,
+    }
+
+
 def _decode(raw: dict) -> dict[str, str]:
     return {k.decode(): v.decode() for k, v in raw.items()}
 
@@ -125,24 +139,41 @@ def _int(rec: dict[str, str], field: str) -> int | None:
 
 
 class BatchService:
-    """The Batches endpoints over one Redis and one FileStore."""
+    """The Batches endpoints over one Redis and one FileStore. `conn` serves requests;
+    validation and the expiry sweep run on `background` (default: `conn`), a client
+    that may wait for Redis to come back."""
 
-    def __init__(self, conn: Redis, keys: Keys, files: FileStore, skip_invalid: bool = False):
+    def __init__(
+        self,
+        conn: Redis,
+        keys: Keys,
+        files: FileStore,
+        skip_invalid: bool = False,
+        background: Redis | None = None,
+    ):
         self.conn, self.keys, self.files, self.skip_invalid = conn, keys, files, skip_invalid
+        self.background = background or conn
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+
+    def _behind(self) -> BatchService:
+        """This service on the background client (for work that no request waits on)."""
+        other = copy.copy(self)
+        other.conn = self.background
+        return other
 
     # --- life of the service -----------------------------------------------------------
 
     def start(self) -> None:
-        """Validate again the batches a previous server left `validating`, and start
-        the expiry sweep."""
+        """Delete what dead uploads left, validate again the batches a previous server
+        left `validating`, and start the expiry sweep."""
+        self._sweep_partial()
         for raw in self.conn.zrange(self.keys.api_batches, 0, -1):
             batch_id = raw.decode()
             if self.conn.hget(self.keys.api_batch(batch_id), "state") == b"validating":
                 log.info("batch %s: validating again after a restart", batch_id)
                 self._validate_in_background(batch_id)
-        sweep = threading.Thread(target=self._sweep, name="expiry-sweep", daemon=True)
+        sweep = threading.Thread(target=self._behind()._sweep, name="expiry-sweep", daemon=True)
         sweep.start()
         self._threads.append(sweep)
 
@@ -152,6 +183,7 @@ class BatchService:
     def _sweep(self) -> None:
         while not self._stop.wait(EXPIRY_SWEEP_S):
             try:
+                self._sweep_partial()
                 for file_id in self.files.delete_expired():
                     log.info("file %s: deleted, its result TTL passed", file_id)
                 self._align_ttls()
@@ -161,6 +193,10 @@ class BatchService:
                         self._expire_if_due(raw.decode(), rec)
             except Exception:  # Redis away: the next sweep tries again
                 log.warning("expiry sweep failed; trying again in %.0f s", EXPIRY_SWEEP_S)
+
+    def _sweep_partial(self) -> None:
+        for name in self.files.sweep_partial():
+            log.info("files/%s: deleted, left by an upload that did not finish", name)
 
     def _align_ttls(self) -> None:
         """Give each API record the TTL its batch has now: workers renew the batch's
@@ -223,7 +259,10 @@ class BatchService:
 
     def _validate_in_background(self, batch_id: str) -> None:
         thread = threading.Thread(
-            target=self._validate, args=(batch_id,), name=f"validate-{batch_id}", daemon=True
+            target=self._behind()._validate,
+            args=(batch_id,),
+            name=f"validate-{batch_id}",
+            daemon=True,
         )
         thread.start()
 
@@ -256,8 +295,10 @@ class BatchService:
             )
         want = ENDPOINTS[rec["endpoint"]]
         checker = ContextChecker(self.conn, self.keys, config.DEFAULT_MODEL)
+        models: set[str] = set()
 
         def check(job: JobLine) -> LineError | None:
+            models.add(job.model or config.DEFAULT_MODEL)
             if job.endpoint != want:
                 field = "url" if job.prefix else job.prompt_field
                 return LineError(
@@ -282,6 +323,8 @@ class BatchService:
             spool = spool_file(str(path), None, config.DEFAULT_MODEL, check, on_error)
         except JobFileError as exc:
             return self._fail(batch_id, [_error(None, "input_file_id", str(exc))])
+        if len(models) == 1:  # the batch object's `model`: the one its lines name
+            self.conn.hset(self.keys.api_batch(batch_id), "model", models.pop())
         with spool:
             if spool.lines == 0:
                 return self._fail(
@@ -355,6 +398,8 @@ class BatchService:
             "error_file_id": None,
             "request_counts": {"total": 0, "completed": 0, "failed": 0},
             "metadata": json.loads(rec.get("metadata") or "null"),
+            "model": rec.get("model"),
+            "usage": batch_usage({}),
         }
         for stamp in (
             "created_at",
@@ -387,6 +432,7 @@ class BatchService:
         state = batch_status(self.conn, self.keys, batch_id)
         c = state["request_counts"]
         obj["request_counts"] = {k: c[k] for k in ("total", "completed", "failed")}
+        obj["usage"] = batch_usage(state["usage"])
         done = c["completed"] + c["failed"] >= c["total"] and state["status"] != "queued"
         key = self.keys.api_batch(batch_id)
         if rec["state"] == "expired":

@@ -21,6 +21,19 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def unusable_key(key: str) -> str | None:
+    """Why no client could send `key` in an Authorization header, or None. HTTP clients
+    (the openai SDK's httpx among them) send header values as ASCII, so a key with any
+    other character could never be matched: refused at start-up instead."""
+    for i, c in enumerate(key):
+        if not (c.isascii() and c.isprintable()):
+            return (
+                f"SPEC_API_KEY has the character {c!r} at position {i + 1}: an API key must be "
+                "printable ASCII (HTTP clients send only ASCII in headers)"
+            )
+    return None
+
+
 @click.command()
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on.")
 @click.option("--port", type=click.IntRange(1, 65535), default=config.SERVE_PORT, show_default=True)
@@ -49,6 +62,8 @@ def serve(host, port, data_dir, redis_url, skip_invalid):
     from server.app import Settings, create_app
 
     api_key = config.serve_api_key()
+    if api_key is not None and (problem := unusable_key(api_key)):
+        fail("spec-serve", problem)
     if api_key is None and not is_loopback(host):
         fail("spec-serve", f"--host {host} is reachable from other machines: set SPEC_API_KEY")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")

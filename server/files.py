@@ -3,7 +3,11 @@
 An upload is written to `<data dir>/files/<id>.jsonl` as its bytes arrive (a multipart
 body parsed as a stream, never held whole), under a temporary name until it is
 complete, then its description (`<id>.json`: the OpenAI file object) is written, so a
-restarted server lists it. Files expire with the batches' result TTL
+restarted server lists it. The directory is the server's alone (0700, files 0600): the
+uploads are users' prompts. An upload cut off by a crash leaves its temporary file;
+`sweep_partial` deletes those not written to for STALE_PARTIAL_S (at start-up and in the
+expiry sweep: by age, not all at start-up, because a second server may share the data
+directory and be receiving an upload). Files expire with the batches' result TTL
 (SPEC_RESULT_TTL_S after the upload), else stay until deleted. A file id maps to a path only when it has the shape this
 module hands out (`file-` and 24 hex digits): no id reaches outside the directory.
 """
@@ -29,15 +33,30 @@ FILE_ID = re.compile(r"file-[0-9a-f]{24}")
 #: Largest non-file form field (purpose) read from an upload.
 _MAX_FIELD_BYTES = 1024
 
+#: Everything of an upload but the file's bytes (part headers, other fields, the
+#: boundaries, an epilogue) may be at most this long, in at most MAX_PARTS parts: a
+#: stream of small fields is refused as it arrives, not read to its end.
+ENVELOPE_BYTES = 64 * 1024
+MAX_PARTS = 16
+
+#: A temporary upload file not written to for this long is left by a dead upload.
+STALE_PARTIAL_S = 600.0
+
+#: Private: uploaded prompts are readable by the server's user only.
+DIR_MODE, FILE_MODE = 0o700, 0o600
+
 PURPOSES = ("batch",)
 
 
 class UploadError(Exception):
-    """The upload cannot be accepted; `param` names the form field, `status` the HTTP code."""
+    """The upload cannot be accepted; `param` names the form field, `status` the HTTP
+    code, `code` OpenAI's error code."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400):
+    def __init__(
+        self, message: str, param: str | None = None, status: int = 400, code: str | None = None
+    ):
         super().__init__(message)
-        self.param, self.status = param, status
+        self.param, self.status, self.code = param, status, code
 
 
 @dataclass
@@ -53,8 +72,26 @@ class FileStore:
 
     def __init__(self, data_dir: Path, max_bytes: int):
         self.root = Path(data_dir) / "files"
-        self.root.mkdir(parents=True, exist_ok=True)
+        Path(data_dir).mkdir(mode=DIR_MODE, parents=True, exist_ok=True)
+        self.root.mkdir(mode=DIR_MODE, exist_ok=True)
+        self.root.chmod(DIR_MODE)  # made by an older version: 0755
         self.max_bytes = max_bytes
+
+    def sweep_partial(self, older_than_s: float = STALE_PARTIAL_S) -> list[str]:
+        """Delete what dead uploads left (temporary files, and content whose description
+        was never written) not modified for `older_than_s`; returns their names."""
+        cutoff = time.time() - older_than_s
+        gone = []
+        for path in [*self.root.glob(".file-*.part"), *self.root.glob("file-*.jsonl")]:
+            if path.suffix == ".jsonl" and path.with_suffix(".json").exists():
+                continue  # a stored upload
+            try:
+                if path.stat().st_mtime <= cutoff:
+                    path.unlink()
+                    gone.append(path.name)
+            except FileNotFoundError:
+                continue  # finished or swept meanwhile
+        return gone
 
     def path(self, file_id: str) -> Path | None:
         """The stored content of an uploaded file id, or None (not one of ours, or gone)."""
@@ -108,8 +145,17 @@ class FileStore:
         partial = self.root / f".{file_id}.part"
         upload = _Upload(partial, self.max_bytes)
         parser = MultipartParser(boundary, upload.callbacks())
+        limit, read = self.max_bytes + ENVELOPE_BYTES, 0
         try:
             async for chunk in body:
+                read += len(chunk)
+                if read > limit:  # the parser drops an epilogue unseen: count it here
+                    raise UploadError(
+                        f"the request body is larger than {limit} bytes",
+                        None,
+                        413,
+                        "request_too_large",
+                    )
                 parser.write(chunk)
                 upload.check()
             parser.finalize()
@@ -141,9 +187,15 @@ class FileStore:
             "status_details": None,
         }
         meta = self.root / f".{file_id}.json.part"
-        meta.write_text(json.dumps(obj))
+        with _private(meta) as out:
+            out.write(json.dumps(obj).encode())
         os.replace(meta, self.root / f"{file_id}.json")
         return obj
+
+
+def _private(path: Path):
+    """`path` opened for writing, created 0600 (whatever the umask lets through less)."""
+    return os.fdopen(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE), "wb")
 
 
 class _Upload:
@@ -158,19 +210,42 @@ class _Upload:
         self.fields: dict[str, bytearray] = {}
         self.header_field = bytearray()
         self.header_value = bytearray()
+        self.envelope = 0  # bytes of headers and non-file fields so far
+        self.parts = 0
         self.error: UploadError | None = None
 
     def callbacks(self) -> dict:
         return {
             "on_part_begin": self._begin,
-            "on_header_field": lambda d, s, e: self.header_field.extend(d[s:e]),
-            "on_header_value": lambda d, s, e: self.header_value.extend(d[s:e]),
+            "on_header_field": lambda d, s, e: self._header_bytes(self.header_field, d[s:e]),
+            "on_header_value": lambda d, s, e: self._header_bytes(self.header_value, d[s:e]),
             "on_header_end": self._header,
             "on_part_data": self._data,
         }
 
     def _begin(self) -> None:
         self.part = _Part()
+        self.parts += 1
+        if self.parts > MAX_PARTS:
+            self.error = self.error or UploadError(
+                f"the upload has more than {MAX_PARTS} parts (it needs two: file and purpose)"
+            )
+
+    def _header_bytes(self, into: bytearray, data: bytes) -> None:
+        self._count(len(data))
+        if not self.error:
+            into.extend(data)
+
+    def _count(self, size: int) -> None:
+        """Count envelope bytes; past ENVELOPE_BYTES the upload is refused."""
+        self.envelope += size
+        if self.envelope > ENVELOPE_BYTES:
+            self.error = self.error or UploadError(
+                f"the upload's form fields and part headers are larger than {ENVELOPE_BYTES} bytes",
+                None,
+                413,
+                "request_too_large",
+            )
 
     def _header(self) -> None:
         if bytes(self.header_field).lower() == b"content-disposition":
@@ -183,7 +258,7 @@ class _Upload:
                     self.error = self.error or UploadError("more than one file", "file")
                 else:
                     self.file_part = self.part
-                    self.out = open(self.path, "wb")  # noqa: SIM115 - closed in finish/close
+                    self.out = _private(self.path)  # closed in finish/close
         self.header_field.clear()
         self.header_value.clear()
 
@@ -198,10 +273,14 @@ class _Upload:
                     f"the file is larger than this server's limit of {self.max_bytes} bytes",
                     "file",
                     413,
+                    "file_too_large",
                 )
                 return
             self.out.write(data[start:end])
-        elif part.name is not None and part.name != "file":
+        else:
+            self._count(end - start)
+            if self.error or part.name is None or part.name == "file":
+                return
             value = self.fields.setdefault(part.name, bytearray())
             value.extend(data[start:end])
             if len(value) > _MAX_FIELD_BYTES:

@@ -140,15 +140,18 @@ def _parse(key: str, record: bytes) -> PendingLine:
     return PendingLine(key, request, max(1, timeout))
 
 
-def drop_gone(batch_id: str, job_id: str | None, lines_left: int) -> None:
+def drop_gone(batch_id: str, job_id: str | None, lines_left: int, unstored: int = 0) -> None:
     """The one log line of a job whose batch lost its record (a Redis restarted without
-    persistence): nothing more of it is run or stored."""
+    persistence): nothing more of it is run or stored (`unstored`: lines it answered
+    that may not have reached this Redis)."""
+    answered = f", {unstored} answered but not stored" if unstored else ""
     log.warning(
         "%s: the batch has no record in Redis any more (restarted without persistence?): "
-        "dropped job %s, %d line(s) not run; re-submit its file with --batch-id %s",
+        "dropped job %s, %d line(s) not run%s; re-submit its file with --batch-id %s",
         batch_id,
         job_id,
         lines_left,
+        answered,
         batch_id,
     )
 

@@ -221,11 +221,17 @@ class SpecWorker(SimpleWorker):
             if not self.connection.hexists(job.key, "status"):
                 # The other delivery finished first and deleted the job (result_ttl 0):
                 # RQ's bookkeeping would fail on the missing job; only ours is left.
+                # Or Redis lost everything (restarted without persistence): the runner
+                # said so (drop_gone); that is no other delivery.
+                keys = getattr(self.context, "keys", None)  # None: a bare worker (tests)
                 with self.connection.pipeline() as pipe:
                     self.cleanup_execution(job, pipe, execution)
                     pipe.delete(job.key)  # a late heartbeat may have written it again
-                    pipe.execute()
-                log.info("job %s was finished by another delivery as well", job.id)
+                    if keys is not None:
+                        pipe.hexists(keys.batch(job.args[0]), "created_at")
+                    replies = pipe.execute()
+                if keys is None or replies[-1]:  # the batch is still known
+                    log.info("job %s was finished by another delivery as well", job.id)
                 return
             rqcompat.forget_dead_executions(job)  # a dead run's leftovers
             try:

@@ -63,6 +63,7 @@ class ClaimedJob:
         self.running = 0
         self.started = False
         self.answered = 0  # lines stored by this run
+        self.dropped = False  # its batch lost its record: said once (drop_gone)
         self.failures: dict[str, tuple[str, str]] = {}
 
     @property
@@ -95,6 +96,7 @@ class JobRunner:
         claimed = ClaimedJob(job, execution, found.todo)
         if found.gone:
             drop_gone(claimed.batch_id, job.id, len(job.args[1]))
+            claimed.dropped = True
         self.cancelled[claimed.batch_id] = found.cancelled or self.cancelled.get(
             claimed.batch_id, False
         )
@@ -144,7 +146,8 @@ class JobRunner:
                 jobs.append(claimed)
             claimed = jobs[0]
             if claimed.left and sink.gone(claimed.batch_id):
-                drop_gone(claimed.batch_id, claimed.job.id, len(claimed.left))
+                drop_gone(claimed.batch_id, claimed.job.id, len(claimed.left), claimed.answered)
+                claimed.dropped = True
                 claimed.left.clear()
             if not claimed.left:
                 jobs.popleft()
@@ -283,7 +286,12 @@ class JobRunner:
 
     def _finish_if_done(self, claimed: ClaimedJob) -> None:
         if claimed.finished and claimed.job.id in self.active:
-            self.ctx.line_store().flush()  # its lines stored before RQ hears it is done
+            sink = self.ctx.line_store()
+            sink.flush()  # its lines stored before RQ hears it is done
+            if sink.gone(claimed.batch_id) and not claimed.dropped:
+                # Every line was given out before a store found the batch gone.
+                drop_gone(claimed.batch_id, claimed.job.id, 0, claimed.answered)
+                claimed.dropped = True
             if claimed.failures:
                 self._finish(claimed, LinesFailed(claimed.failures))
             else:
