@@ -20,6 +20,7 @@ import click
 import redis
 from rq.serializers import JSONSerializer
 
+from contract.stats import tokens_per_second
 from jobstore import config
 from jobstore.connection import (
     RedisUnavailable,
@@ -324,10 +325,10 @@ def run(
         if errors_out is not out:
             errors_out.close()
     sd = summary.stats.to_dict()
-    rate = summary.completion_tokens / summary.seconds if summary.seconds else 0.0
+    rate = tokens_per_second(summary.completion_tokens, summary.seconds * 1000)
     _say(
         f"spec-run: batch {batch_id}: {summary.completed} completed, {summary.failed} failed "
-        f"in {summary.seconds:.1f} s; {summary.completion_tokens} tokens, {rate:.1f} tok/s; "
+        f"in {summary.seconds:.1f} s; {summary.completion_tokens} tokens, {rate:.1f} tokens/s; "
         f"acceptance {sd['draft_acceptance_rate']:.2f}, mean acceptance length "
         f"{sd['mean_acceptance_length']:.2f}; prompt tokens {summary.prompt_tokens}, "
         f"{summary.cached_tokens} reused from the prefix cache"
