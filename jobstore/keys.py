@@ -26,7 +26,9 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
     P:batch:B:api        hash  a batch created through spec-serve: its OpenAI fields
                                (input_file_id, endpoint, completion_window, metadata,
                                state, timestamps, validation errors)
-    P:batches            zset  batch id -> created_at
+    P:batches            zset  batch id -> created_at, of every batch submitted here; kept
+                               after the batch expires (~50 B a batch) so that a
+                               vanished batch is told from a mistyped id
     P:api-batches        zset  batch id -> created_at, of batches created by spec-serve
     P:model:A            hash  a served alias: context_length, tokenizer_json, updated_at
     P:worker:W           hash  a worker's lifetime counters, model, host, pid, started_at,
