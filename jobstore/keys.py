@@ -53,9 +53,6 @@ import secrets
 import time
 from dataclasses import dataclass
 
-from rq.job import Job
-from rq.registry import FailedJobRegistry
-
 from jobstore import config
 from jobstore.errors import BatchIdError
 
@@ -140,11 +137,15 @@ class Keys:
     @staticmethod
     def rq_job(job_id: str) -> str:
         """RQ's hash of one job (a prefix of job keys when given a prefix of job ids)."""
+        from rq.job import Job  # rq loads in a quarter second: not for `--help`
+
         key = Job.key_for(job_id)
         return key.decode() if isinstance(key, bytes) else key  # bytes in older rq
 
     def rq_failed(self, alias: str) -> str:
         """RQ's failed-job registry of an alias's queue."""
+        from rq.registry import FailedJobRegistry
+
         return FailedJobRegistry.key_template.format(self.queue_name(alias))
 
     def batch(self, batch_id: str) -> str:

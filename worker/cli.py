@@ -17,18 +17,10 @@ import sys
 import time
 
 import click
-import redis
-from rq.serializers import JSONSerializer
 
 from contract.stats import tokens_per_second
 from jobstore import config
-from jobstore.connection import (
-    RedisUnavailable,
-    connect,
-    warn_if_evicting,
-)
-from jobstore.errors import BatchIdError
-from jobstore.jobfile import JobFileError, validate
+from jobstore.errors import BatchIdError, RedisUnavailable
 from jobstore.keys import Keys, check_batch_id, new_batch_id
 from jobstore.options import EXIT_REDIS, fail, pair_options, redis_option
 
@@ -104,6 +96,10 @@ def worker(
     redis_url, target, draft, alias, burst, max_jobs, name, max_batch, audit_rate, log_level
 ):
     """Serve one model alias from its queue: load the pair once, run jobs in this process."""
+    import redis  # redis-py, rq and pydantic load in the commands, not for `--help`
+    from rq.serializers import JSONSerializer
+
+    from jobstore.connection import connect, warn_if_evicting
     from worker.audit import Auditor
     from worker.guard import job_class
     from worker.jobs import WorkerContext
@@ -280,6 +276,7 @@ def run(
 ):
     """Run a job file in this process, without Redis: the same validation, engine and
     result lines as the queue."""
+    from jobstore.jobfile import JobFileError, validate
     from worker.local import context_check, run_file
 
     _setup_logging("WARNING")
