@@ -50,3 +50,23 @@ def test_the_batch_api_example_uses_the_snippets_endpoint_on_every_line():
     jobs = [v.job for v in validate_lines(str(ROOT / name), None)]
     wrong = [(j.line, j.endpoint) for j in jobs if j.endpoint != ENDPOINTS[endpoint]]
     assert wrong == [], f"{name}: lines not on {endpoint}"
+
+
+def test_both_temperature_defaults_are_stated_where_a_user_looks():
+    """A job-file line samples (1.0, OpenAI's default), spec-generate is greedy (0.0):
+    `spec-generate --help` and the README say which applies where, from
+    contract.defaults."""
+    from click.testing import CliRunner
+
+    from contract.defaults import ENGINE, JOB_FILE
+    from engine.cli import main
+
+    shown = " ".join(CliRunner().invoke(main, ["--help"]).output.split())
+    assert (ENGINE.temperature, JOB_FILE.temperature) == (0.0, 1.0)
+    assert f"this command's default; a job-file line's default is {JOB_FILE.temperature}" in shown
+    assert f"[default: {ENGINE.temperature}; x>=0]" in shown
+    readme = " ".join(README.split())
+    assert (
+        "a job-file line (`spec-run`, `spec-submit`, `spec-serve`) samples at 1.0, as in the "
+        "OpenAI API; `spec-generate` and `engine.GenerationRequest` are greedy (0.0)"
+    ) in readme
