@@ -47,6 +47,16 @@ def rate(numerator: float, denominator: float) -> float:
     return round(numerator / denominator, RATE_DIGITS) if denominator else 0.0
 
 
+def tokens_per_second(completion_tokens: int, busy_ms: float) -> float:
+    """Tokens/s, the one figure every command shows under that name: completion tokens
+    over the wall time spent producing them, in ms (a worker's busy time, `busy_ms`;
+    a batch's or a run's span). A worker decoding N rows at once counts its wall time
+    once, not once per row, so `--batch 4` shows what the machine delivers; a figure
+    over summed per-request times is another one, "per-request tokens/s".
+    Rounded to 2 decimals; 0.0 when no time was counted."""
+    return round(completion_tokens * 1000 / busy_ms, 2) if busy_ms > 0 else 0.0
+
+
 def drafter_of(names: Iterable[str]) -> str:
     """The drafter of a sum of requests, from the drafter names of what was summed: the
     one name, "mixed" for more than one, or "none" for no names."""

@@ -6,7 +6,7 @@ import sys
 
 import click
 
-from contract.defaults import ENGINE
+from contract.defaults import ENGINE, JOB_FILE
 from contract.limits import DRAFTERS, MAX_DRAFT_TOKENS
 
 
@@ -27,7 +27,12 @@ def _draft_tokens(value: str) -> int | str:
 @click.option("--draft", default=None, help="Draft model directory or hub id (default: demo's).")
 @click.option("--max-tokens", default=128, show_default=True, type=click.IntRange(min=1))
 @click.option(
-    "--temperature", default=ENGINE.temperature, show_default=True, type=click.FloatRange(min=0)
+    "--temperature",
+    default=ENGINE.temperature,
+    show_default=True,
+    type=click.FloatRange(min=0),
+    help=f"0 is greedy, this command's default; a job-file line's default is "
+    f"{JOB_FILE.temperature}, as in the OpenAI API.",
 )
 @click.option("--top-p", default=ENGINE.top_p, show_default=True, type=float)
 @click.option("--top-k", default=ENGINE.top_k, show_default=True, type=click.IntRange(min=0))

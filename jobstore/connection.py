@@ -27,13 +27,9 @@ from redis.backoff import ExponentialBackoff, NoBackoff
 from redis.retry import Retry
 
 from jobstore import config
-from jobstore.errors import JobStoreError
+from jobstore.errors import RedisUnavailable
 
 log = logging.getLogger("specfleet.redis")
-
-
-class RedisUnavailable(JobStoreError):
-    """Redis cannot be reached or refused us; the message is safe to print."""
 
 
 class ReconnectingRetry(Retry):

@@ -7,5 +7,9 @@ class JobStoreError(Exception):
     """Base of every error jobstore raises; the message is safe to print."""
 
 
+class RedisUnavailable(JobStoreError):
+    """Redis cannot be reached or refused us; the message is safe to print."""
+
+
 class BatchIdError(JobStoreError, ValueError):
     """A batch id that cannot be used in Redis keys and RQ job ids."""

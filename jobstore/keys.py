@@ -26,7 +26,9 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
     P:batch:B:api        hash  a batch created through spec-serve: its OpenAI fields
                                (input_file_id, endpoint, completion_window, metadata,
                                state, timestamps, validation errors)
-    P:batches            zset  batch id -> created_at
+    P:batches            zset  batch id -> created_at, of every batch submitted here; kept
+                               after the batch expires (~50 B a batch) so that a
+                               vanished batch is told from a mistyped id
     P:api-batches        zset  batch id -> created_at, of batches created by spec-serve
     P:model:A            hash  a served alias: context_length, tokenizer_json, updated_at
     P:worker:W           hash  a worker's lifetime counters, model, host, pid, started_at,
@@ -50,9 +52,6 @@ import re
 import secrets
 import time
 from dataclasses import dataclass
-
-from rq.job import Job
-from rq.registry import FailedJobRegistry
 
 from jobstore import config
 from jobstore.errors import BatchIdError
@@ -138,11 +137,15 @@ class Keys:
     @staticmethod
     def rq_job(job_id: str) -> str:
         """RQ's hash of one job (a prefix of job keys when given a prefix of job ids)."""
+        from rq.job import Job  # rq loads in a quarter second: not for `--help`
+
         key = Job.key_for(job_id)
         return key.decode() if isinstance(key, bytes) else key  # bytes in older rq
 
     def rq_failed(self, alias: str) -> str:
         """RQ's failed-job registry of an alias's queue."""
+        from rq.registry import FailedJobRegistry
+
         return FailedJobRegistry.key_template.format(self.queue_name(alias))
 
     def batch(self, batch_id: str) -> str:

@@ -22,11 +22,9 @@ from collections.abc import Callable
 from typing import NoReturn
 
 import click
-import redis
 
 from jobstore import config
-from jobstore.connection import RedisUnavailable
-from jobstore.errors import JobStoreError
+from jobstore.errors import JobStoreError, RedisUnavailable
 
 EXIT_FAILED = 1
 EXIT_USAGE = 2
@@ -54,15 +52,25 @@ def friendly_errors(command: str, *errors: type[Exception]) -> Callable:
                 return func(*args, **kwargs)
             except RedisUnavailable as exc:
                 fail(command, str(exc), EXIT_REDIS)
-            except redis.exceptions.ConnectionError as exc:
-                url = config.redact(config.redis_url(kwargs.get("redis_url")))
-                fail(command, f"lost the connection to Redis at {url}: {exc}", EXIT_REDIS)
             except (JobStoreError, *errors) as exc:
                 fail(command, str(exc))
+            except Exception as exc:
+                if not _lost_redis(exc):
+                    raise
+                url = config.redact(config.redis_url(kwargs.get("redis_url")))
+                fail(command, f"lost the connection to Redis at {url}: {exc}", EXIT_REDIS)
 
         return run
 
     return wrap
+
+
+def _lost_redis(exc: Exception) -> bool:
+    """Whether exc is redis-py's ConnectionError (redis is not imported for that: a
+    command that never imported it cannot have lost a connection, and `--help` stays
+    fast)."""
+    redis = sys.modules.get("redis")
+    return redis is not None and isinstance(exc, redis.exceptions.ConnectionError)
 
 
 def redis_option(func: Callable) -> Callable:

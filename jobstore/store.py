@@ -551,10 +551,7 @@ def record_problem(conn: Redis, keys: Keys, batch_id: str) -> str | None:
         has_meta, has_created, has_order, has_lines = pipe.execute()
     fix = f"re-submit its file with --batch-id {batch_id}"
     if not has_meta and not has_lines:
-        return (
-            f"no batch {batch_id!r} in this Redis (prefix {keys.prefix!r}); if it was "
-            f"submitted here, Redis has lost it: {fix}"
-        )
+        return _no_record(conn, keys, batch_id, fix)
     if not has_created:
         why = f"key {meta} has no created_at"
     elif has_lines and not has_order:
@@ -565,6 +562,52 @@ def record_problem(conn: Redis, keys: Keys, batch_id: str) -> str | None:
         f"batch {batch_id} has lost its record in this Redis ({why}; was Redis restarted "
         f"without persistence?): {fix}"
     )
+
+
+def _no_record(conn: Redis, keys: Keys, batch_id: str, fix: str) -> str:
+    """Why a batch without keys is not there, from the ids recorded at creation
+    (`Keys.batches`, `Keys.api_batches`): never created here (a mistyped id), created
+    through spec-serve but never queued, or created and since vanished (expired, or
+    lost with Redis's data)."""
+    with conn.pipeline(transaction=False) as pipe:
+        pipe.zscore(keys.batches, batch_id)
+        pipe.hget(keys.api_batch(batch_id), "state")
+        pipe.zcard(keys.batches)
+        pipe.zrange(keys.batches, 0, 0, withscores=True)
+        created, api_state, count, first = pipe.execute()
+    api_state = api_state.decode() if isinstance(api_state, bytes) else api_state
+    where = f"this Redis (prefix {keys.prefix!r})"
+    if created is None and api_state == "failed":
+        return (
+            f"batch {batch_id} was created through spec-serve and failed validation, so "
+            f"nothing was queued: GET /v1/batches/{batch_id} lists the problems "
+            "(errors.data); fix the file and create a new batch"
+        )
+    if created is None and api_state == "validating":
+        return f"batch {batch_id} is still being validated by spec-serve: try again shortly"
+    if created is None and api_state == "cancelled":
+        return f"batch {batch_id} was cancelled in spec-serve before it was queued: nothing ran"
+    if created is None and not count:
+        return (
+            f"no such batch {batch_id!r}: {where} has no record of any batch; check the "
+            "id, the Redis URL and SPEC_KEY_PREFIX. If it was submitted to this Redis, "
+            f"Redis has lost its data (restarted without persistence?): {fix}"
+        )
+    if created is None:
+        return (
+            f"no such batch {batch_id!r}: none with that id was submitted to {where} "
+            f"since {_utc(first[0][1])} ({count} batch(es) recorded); check the id "
+            "(spec-submit printed it; spec-collect --delete forgets a batch)"
+        )
+    return (
+        f"batch {batch_id} was submitted to {where} at {_utc(created)} but its keys are "
+        "gone: it expired if it had a result TTL (--result-ttl, SPEC_RESULT_TTL_S), "
+        f"else Redis lost it (restarted without persistence?); to run it again, {fix}"
+    )
+
+
+def _utc(t: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(t))
 
 
 def remove_queued(conn: Redis, queue_key: str, batch_id: str) -> list[str]:

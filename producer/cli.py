@@ -14,18 +14,38 @@ import sys
 import click
 
 from jobstore import config
-from jobstore.connection import connect, warn_if_evicting
 from jobstore.keys import Keys, check_batch_id, new_batch_id
 from jobstore.options import fail, friendly_errors, redis_option
-from producer.cancel import cancel as cancel_batch
-from producer.collect import collect as collect_batch
-from producer.errors import BatchError, CorruptLines
-from producer.retry import retry as retry_batch
-from producer.status import status as batch_status
-from producer.submit import SubmitError, enqueue_file
+from producer.errors import BatchError, CorruptLines, SubmitError
 
-# producer.spool (pydantic), producer.tokencount and reporting.progress (rich) are
-# imported by the commands that use them: spec-status starts in a fraction of a second.
+# What talks to Redis (redis-py, rq), producer.spool (pydantic) and reporting.progress
+# (rich) is imported by the commands that use it: `--help` loads none of them.
+
+
+def _connect(redis_url: str | None):
+    from jobstore.connection import connect
+
+    return connect(redis_url)
+
+
+def _warn_if_evicting(conn) -> None:
+    from jobstore.connection import warn_if_evicting
+
+    warning = warn_if_evicting(conn)
+    if warning:
+        _say(f"warning: {warning}")
+
+
+def _status(conn, keys, batch_id: str) -> dict:
+    from producer.status import status
+
+    return status(conn, keys, batch_id)
+
+
+def _collect(conn, keys, batch_id: str, *args):
+    from producer.collect import collect
+
+    return collect(conn, keys, batch_id, *args)
 
 
 def _say(message: str) -> None:
@@ -99,9 +119,10 @@ def submit(
     if model is not None and not config.ALIAS_PATTERN.match(model):
         raise click.BadParameter(f"not a model alias: {model!r}", param_hint="--model")
     batch_id = check_batch_id(batch_id) if batch_id else new_batch_id()
-    conn = connect(redis_url)
+    conn = _connect(redis_url)
     keys = Keys.default()
     from producer.spool import spool_file
+    from producer.submit import enqueue_file
     from producer.tokencount import ContextChecker
 
     checker = ContextChecker(conn, keys, model or config.DEFAULT_MODEL)
@@ -151,15 +172,13 @@ def submit(
             _say(
                 f"note: no worker has served model {alias!r} yet; its jobs wait for `spec-worker --alias {alias}`"
             )
-    warning = warn_if_evicting(conn)
-    if warning:
-        _say(f"warning: {warning}")
+    _warn_if_evicting(conn)
     if not wait:
         _say(_follow_hint(batch_id, redis_url))
         return
     final = _watch(conn, keys, batch_id, sys.stderr, "spec-submit", redis_url)
     if output:
-        counts = collect_batch(conn, keys, batch_id, output, errors_path)
+        counts = _collect(conn, keys, batch_id, output, errors_path)
         _say(_collected(counts, output, errors_path))
     counts = final["request_counts"]
     _say(
@@ -175,9 +194,7 @@ def _watch(conn, keys, batch_id: str, stream, name: str, redis_url: str | None) 
     shown = progress.Progress(file=stream)
     try:
         with shown:
-            return progress.follow(
-                lambda: batch_status(conn, keys, batch_id), shown, config.WAIT_POLL_S
-            )
+            return progress.follow(lambda: _status(conn, keys, batch_id), shown, config.WAIT_POLL_S)
     except KeyboardInterrupt:
         _say(f"{name}: stopped watching; batch {batch_id} goes on")
         _say(_follow_hint(batch_id, redis_url))
@@ -212,15 +229,13 @@ def status(batch_id, redis_url, as_json, watch):
     """
     if watch and as_json:
         raise click.UsageError("--watch and --json do not go together (poll --json instead)")
-    conn = connect(redis_url)
+    conn = _connect(redis_url)
     keys = Keys.default()
-    warning = warn_if_evicting(conn)
-    if warning:
-        _say(f"warning: {warning}")
+    _warn_if_evicting(conn)
     if watch:
         _watch(conn, keys, batch_id, sys.stdout, "spec-status", redis_url)
         return
-    state = batch_status(conn, keys, batch_id)
+    state = _status(conn, keys, batch_id)
     if as_json:
         click.echo(json.dumps(state, indent=2))
         return
@@ -277,9 +292,9 @@ def status(batch_id, redis_url, as_json, watch):
 @friendly_errors("spec-collect", BatchError)
 def collect(batch_id, redis_url, output, errors_path, order, delete):
     """Write a batch's result lines (and error lines) to files."""
-    conn = connect(redis_url)
+    conn = _connect(redis_url)
     try:
-        counts = collect_batch(conn, Keys.default(), batch_id, output, errors_path, order, delete)
+        counts = _collect(conn, Keys.default(), batch_id, output, errors_path, order, delete)
     except CorruptLines as exc:
         _say(_collected(exc.counts, output, errors_path))
         raise
@@ -292,7 +307,9 @@ def collect(batch_id, redis_url, output, errors_path, order, delete):
 @friendly_errors("spec-retry", BatchError)
 def retry(batch_id, redis_url):
     """Queue again the lines of a batch that ended in an error line."""
-    conn = connect(redis_url)
+    from producer.retry import retry as retry_batch
+
+    conn = _connect(redis_url)
     n = retry_batch(conn, Keys.default(), batch_id)
     _say(f"batch {batch_id}: re-queued {n} failed line(s)")
 
@@ -303,9 +320,11 @@ def retry(batch_id, redis_url):
 @friendly_errors("spec-cancel", BatchError)
 def cancel(batch_id, redis_url):
     """Cancel a batch: waiting lines are removed (error code `cancelled`); running ones finish."""
-    conn = connect(redis_url)
+    from producer.cancel import cancel as cancel_batch
+
+    conn = _connect(redis_url)
     keys = Keys.default()
     n = cancel_batch(conn, keys, batch_id)
-    running = batch_status(conn, keys, batch_id)["request_counts"]["running"]
+    running = _status(conn, keys, batch_id)["request_counts"]["running"]
     note = " (a running job's lines not started yet are cancelled instead)" if running else ""
     _say(f"batch {batch_id}: cancelled {n} waiting line(s); {running} running will finish{note}")

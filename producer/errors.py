@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import functools
 
-import redis
-
 
 class BatchError(Exception):
     """A batch operation cannot be done as asked; the message says why."""
+
+
+class SubmitError(Exception):
+    """The file cannot be submitted as asked; the message says why."""
 
 
 class CorruptBatch(BatchError):
@@ -41,9 +43,11 @@ def redis_refusals(func):
 
     @functools.wraps(func)
     def run(*args, **kwargs):
+        from redis.exceptions import ResponseError  # imported by then: the command ran
+
         try:
             return func(*args, **kwargs)
-        except redis.exceptions.ResponseError as exc:
+        except ResponseError as exc:
             error = CorruptBatch if str(exc).startswith("WRONGTYPE") else BatchError
             raise error(f"Redis refused a command: {first_line(exc)}") from exc
 

@@ -13,6 +13,7 @@ from rq.registry import StartedJobRegistry
 from rq.serializers import JSONSerializer
 
 from contract.limits import TERMINAL_STATUSES
+from contract.stats import tokens_per_second
 from jobstore import config, store
 from jobstore.keys import AUDIT_CHECKED, AUDIT_MISMATCHES, Keys, is_job_of
 from producer.errors import CorruptBatch, first_line, redis_refusals
@@ -101,7 +102,6 @@ def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
     end = completed_at or (float(meta.get("last_done_at", now)) if finished else now)
     completion_tokens = int(meta.get("completion_tokens", 0))
     elapsed = (end - started) if started is not None else 0.0
-    throughput = completion_tokens / elapsed if elapsed > 0 else 0.0
     eta = None
     if finished:
         eta = 0.0
@@ -125,7 +125,7 @@ def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
             "cached_prompt_tokens": int(meta.get("cached_prompt_tokens", 0)),
         },
         "speculative_decoding": store.spec_summary(meta),
-        "throughput_tokens_per_second": round(throughput, 2),
+        "throughput_tokens_per_second": tokens_per_second(completion_tokens, elapsed * 1000),
         "eta_seconds": eta,
         "workers": _workers(conn, keys, batch_id, jobs, now, watch=not finished),
         "audit": audit_summary(meta),
@@ -170,7 +170,6 @@ def _workers(
     out = []
     for name, (model, seen, since, stopped) in zip(names, facts, strict=True):
         c = by_name[name]
-        busy = c.get("busy_ms", 0) / 1000
         last_seen = _seen(keys.worker(name), seen or since)
         running = holding.get(name, 0)
         quiet = (
@@ -186,9 +185,9 @@ def _workers(
                 "completed": c.get("completed", 0),
                 "failed": c.get("failed", 0),
                 "running": running,
-                "tokens_per_second": round(c.get("completion_tokens", 0) / busy, 2)
-                if busy
-                else 0.0,
+                "tokens_per_second": tokens_per_second(
+                    c.get("completion_tokens", 0), c.get("busy_ms", 0)
+                ),
                 "last_seen": round(last_seen, 3) if last_seen is not None else None,
                 "stopped": stopped is not None,
                 "quiet": quiet,

@@ -38,14 +38,11 @@ from rq.serializers import JSONSerializer
 from jobstore import config, store
 from jobstore.keys import FAILURE_CALLBACK, JOB_FUNCTION, JOBS_FIELD, Keys, job_id
 from jobstore.lines import dumps, error_line
+from producer.errors import SubmitError
 from producer.spool import Queued, Rejected
 
 #: While a file is being enqueued the batch is flagged for this long (refreshed per chunk).
 SUBMITTING_TTL_S = 600
-
-
-class SubmitError(Exception):
-    """The file cannot be submitted as asked; the message says why."""
 
 
 class RedisFull(SubmitError):

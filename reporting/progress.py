@@ -22,6 +22,7 @@ from rich.table import Table
 from rich.text import Text
 
 from contract.limits import TERMINAL_STATUSES
+from contract.stats import tokens_per_second
 
 #: Without a terminal, at most one progress line per this many seconds (plus the last).
 PLAIN_EVERY_S = 10.0
@@ -335,7 +336,7 @@ class RunProgress:
         elapsed = self._clock() - self._started
         done = summary.completed + summary.failed
         finished = done >= self.total
-        rate = summary.completion_tokens / elapsed if elapsed > 0 else 0.0
+        rate = tokens_per_second(summary.completion_tokens, elapsed * 1000)
         eta = 0.0 if finished else (elapsed * (self.total - done) / done if done else None)
         running = min(self.in_flight, self.total - done)
         status = "in_progress"
@@ -353,7 +354,7 @@ class RunProgress:
             },
             "usage": {"completion_tokens": summary.completion_tokens},
             "speculative_decoding": summary.stats.to_dict(),
-            "throughput_tokens_per_second": round(rate, 2),
+            "throughput_tokens_per_second": rate,
             "eta_seconds": None if eta is None else round(eta, 1),
             "workers": [
                 {
@@ -361,7 +362,7 @@ class RunProgress:
                     "model": self.model,
                     "completed": summary.completed,
                     "failed": summary.failed,
-                    "tokens_per_second": round(rate, 2),
+                    "tokens_per_second": rate,
                 }
             ],
         }

@@ -50,6 +50,7 @@ class Line:
     model: str | None = None
     created: float | None = None
     generation_ms: float = 0.0
+    busy_ms: float | None = None  # metrics.busy_ms: the worker's wall time for it, if told
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # usage.prompt_tokens_details.cached_tokens
@@ -64,6 +65,8 @@ def parse_line(obj: dict) -> Line:
     try:
         line = _parse(obj)
         if not all(math.isfinite(t) for t in (line.created or 0.0, line.generation_ms)):
+            raise ValueError("a time that is not a finite number")
+        if line.busy_ms is not None and not math.isfinite(line.busy_ms):
             raise ValueError("a time that is not a finite number")
     except (AttributeError, TypeError, ValueError, KeyError, OverflowError) as exc:
         raise ReportError(f"not a result or error line ({type(exc).__name__}: {exc})") from exc
@@ -100,6 +103,7 @@ def _parse(obj: dict) -> Line:
         model=str(body["model"]) if body.get("model") is not None else None,
         created=float(body["created"]) if body.get("created") is not None else None,
         generation_ms=float(metrics.get("generation_time_ms") or 0.0),
+        busy_ms=float(metrics["busy_ms"]) if metrics.get("busy_ms") is not None else None,
         prompt_tokens=int(usage.get("prompt_tokens") or 0),
         completion_tokens=completion_tokens,
         cached_tokens=int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0),
@@ -193,14 +197,15 @@ class Summary:
     error_examples: dict = field(default_factory=dict)
 
     @property
-    def tokens_per_second(self) -> float:
-        """Decode speed of one stream: completion tokens / summed generation time."""
+    def per_request_tokens_per_second(self) -> float:
+        """Decode speed of one stream: completion tokens / summed generation time (rows
+        decoded together each count their whole time: not the machine's tokens/s)."""
         return self.completion_tokens / self.generation_s if self.generation_s else 0.0
 
     @property
     def throughput(self) -> float:
         """Batch throughput: completion tokens / wall-clock span of the batch."""
-        return self.completion_tokens / self.wall_s if self.wall_s else 0.0
+        return stats.tokens_per_second(self.completion_tokens, self.wall_s * 1000)
 
     @property
     def draft_acceptance_rate(self) -> float:
@@ -296,6 +301,19 @@ class _Worker:
     requests: int = 0
     tokens: int = 0
     generation_ms: float = 0.0
+    busy_ms: float = 0.0
+    untimed: int = 0  # lines without metrics.busy_ms (older workers, other tools)
+
+    @property
+    def tokens_per_second(self) -> float | None:
+        """contract.stats.tokens_per_second over the worker's busy time, as spec-status
+        shows it; None when some line did not say its busy time."""
+        return None if self.untimed else stats.tokens_per_second(self.tokens, self.busy_ms)
+
+    @property
+    def per_request_tokens_per_second(self) -> float:
+        secs = self.generation_ms / 1000
+        return self.tokens / secs if secs else 0.0
 
 
 class Aggregate:
@@ -320,6 +338,10 @@ class Aggregate:
         w.requests += 1
         w.tokens += line.completion_tokens
         w.generation_ms += line.generation_ms
+        if line.busy_ms is None:
+            w.untimed += 1
+        else:
+            w.busy_ms += line.busy_ms
         self.seen_ok += 1
         if len(self.sample) < self._size:
             self.sample.append(self._slim(line))
@@ -562,8 +584,8 @@ def _summary_table(s: Summary) -> str:
         ),
         _row("completion tokens", f"{s.completion_tokens:,}"),
         _row(
-            "tokens/s per request",
-            f"{s.tokens_per_second:.1f}",
+            "per-request tokens/s",
+            f"{s.per_request_tokens_per_second:.1f}",
             "completion tokens / summed generation time",
         ),
         _row(
@@ -588,12 +610,20 @@ def _summary_table(s: Summary) -> str:
 
 
 def _worker_table(workers: dict[str, _Worker]) -> str:
-    rows = ["<tr><th>worker</th><th>requests</th><th>completion tokens</th><th>tokens/s</th></tr>"]
+    rows = [
+        "<tr><th>worker</th><th>requests</th><th>completion tokens</th>"
+        '<th title="completion tokens / the worker\'s busy wall time, as spec-status">'
+        "tokens/s</th>"
+        '<th title="completion tokens / summed generation time of its requests">'
+        "per-request tokens/s</th></tr>"
+    ]
     for name, w in sorted(workers.items()):
-        secs = w.generation_ms / 1000
+        tps = w.tokens_per_second
         rows.append(
             f"<tr><td>{html.escape(name)}</td><td class=n>{w.requests}</td>"
-            f"<td class=n>{w.tokens:,}</td><td class=n>{w.tokens / secs if secs else 0:.1f}</td></tr>"
+            f"<td class=n>{w.tokens:,}</td>"
+            f"<td class=n>{'-' if tps is None else f'{tps:.1f}'}</td>"
+            f"<td class=n>{w.per_request_tokens_per_second:.1f}</td></tr>"
         )
     return "<table class=workers>" + "".join(rows) + "</table>"
 

@@ -24,8 +24,13 @@ COMMANDS = {
     "spec-run": worker_cli.run,
 }
 
-#: What an unknown batch's message ends with: Redis may have lost it, and the fix.
-LOST = "; if it was submitted here, Redis has lost it: re-submit its file with --batch-id nope"
+#: What an unknown batch's message ends with, in a Redis that recorded no batch: check
+#: the id and the address, or Redis lost its data, and the fix.
+LOST = (
+    " has no record of any batch; check the id, the Redis URL and SPEC_KEY_PREFIX. If it "
+    "was submitted to this Redis, Redis has lost its data (restarted without persistence?): "
+    "re-submit its file with --batch-id nope"
+)
 
 
 def _invoke(command: str, *args: str):
@@ -63,7 +68,7 @@ def test_input_errors_exit_1_with_one_line(redis_env, tmp_path, jobs):
             (
                 name,
                 ["nope", *extra],
-                f"{name}: error: no batch 'nope' in this Redis (prefix '{prefix}'){LOST}",
+                f"{name}: error: no such batch 'nope': this Redis (prefix '{prefix}'){LOST}",
             )
             for name, extra in [
                 ("spec-status", []),
@@ -75,7 +80,7 @@ def test_input_errors_exit_1_with_one_line(redis_env, tmp_path, jobs):
         (
             "spec-report",
             ["nope", "-o", str(tmp_path / "r.html")],
-            f"spec-report: error: no batch 'nope' in this Redis (prefix '{prefix}'){LOST}",
+            f"spec-report: error: no such batch 'nope': this Redis (prefix '{prefix}'){LOST}",
         ),
         (
             "spec-report",

@@ -276,8 +276,10 @@ def test_unknown_batch_is_one_clear_line(redis_env, tmp_path):
         result = CliRunner().invoke(command, ["nope", *extra])
         assert result.exit_code == 1
         assert result.stderr.endswith(
-            f"error: no batch 'nope' in this Redis (prefix '{redis_env.prefix}')"
-            "; if it was submitted here, Redis has lost it: re-submit its file with --batch-id nope\n"
+            f"error: no such batch 'nope': this Redis (prefix '{redis_env.prefix}') has no "
+            "record of any batch; check the id, the Redis URL and SPEC_KEY_PREFIX. If it was "
+            "submitted to this Redis, Redis has lost its data (restarted without persistence?)"
+            ": re-submit its file with --batch-id nope\n"
         )
 
 

@@ -426,8 +426,10 @@ def test_a_redis_restart_without_persistence_is_an_unknown_batch_not_a_traceback
         assert res.returncode == 1
         assert res.stdout == ""
         assert res.stderr == (
-            f"{command}: error: no batch '{batch}' in this Redis (prefix '{env.prefix}'); "
-            f"if it was submitted here, Redis has lost it: re-submit its file with --batch-id {batch}\n"
+            f"{command}: error: no such batch '{batch}': this Redis (prefix '{env.prefix}') "
+            "has no record of any batch; check the id, the Redis URL and SPEC_KEY_PREFIX. If "
+            "it was submitted to this Redis, Redis has lost its data (restarted without "
+            f"persistence?): re-submit its file with --batch-id {batch}\n"
         )
 
 
@@ -711,7 +713,9 @@ def test_a_short_result_ttl_frees_an_uncollected_batch(redis_env, tmp_path):
         lambda: not list(redis_env.conn.scan_iter(match=pattern)), 2.1, "the keys to expire"
     )
     res = redis_env.run("spec-status", batch)
-    assert res.returncode == 1 and res.stderr.startswith("spec-status: error: no batch")
+    assert res.returncode == 1
+    assert res.stderr.startswith(f"spec-status: error: batch {batch} was submitted to this Redis")
+    assert "its keys are gone: it expired if it had a result TTL" in res.stderr
 
 
 def test_spec_status_and_spec_worker_warn_when_redis_may_evict(private_redis, tmp_path):

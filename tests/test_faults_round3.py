@@ -73,8 +73,9 @@ def test_a_redis_restarted_without_persistence_under_a_running_job(
     assert "Traceback" not in worker.log
     assert list(conn.scan_iter(match=f"{keys.batch(batch)}*")) == []  # nothing stored
     lost = (
-        f"no batch '{batch}' in this Redis (prefix '{env.prefix}'); if it was submitted "
-        f"here, Redis has lost it: {_lost_fix(batch)}"
+        f"no such batch '{batch}': this Redis (prefix '{env.prefix}') has no record of any "
+        "batch; check the id, the Redis URL and SPEC_KEY_PREFIX. If it was submitted to this "
+        f"Redis, Redis has lost its data (restarted without persistence?): {_lost_fix(batch)}"
     )
     assert wait_log.read_text().splitlines()[-1] == f"spec-submit: error: {lost}"
     for command, extra in [

@@ -442,17 +442,42 @@ def test_result_and_error_lines_have_the_openai_batch_shape(tmp_path):
 
 
 def test_result_bodies_parse_as_openai_objects(tmp_path):
-    openai_types = pytest.importorskip("openai.types")
+    """Lines as a worker writes them (demo pair: real usage, metrics, seed) parse with the
+    installed openai SDK's ChatCompletion / Completion types, field for field. No skip:
+    the test extra installs openai, so a missing one is a failure, not a pass."""
+    from openai.types import Completion
+    from openai.types.chat import ChatCompletion
+
+    import engine
+    from worker.execute import execute
+
     path = tmp_path / "jobs.jsonl"
     path.write_text(
-        '{"custom_id": "c", "messages": [{"role": "user", "content": "hi"}]}\n{"custom_id": "p", "prompt": "hi"}\n'
+        '{"custom_id": "c", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}\n'
+        '{"custom_id": "p", "prompt": "hi", "max_tokens": 4, "temperature": 0.5}\n'
     )
     chat, completion = validate_file(str(path))
-    usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    body = result_line("B", chat, "demo", "ok", "stop", usage, {}, None)["response"]["body"]
-    assert openai_types.chat.ChatCompletion.model_validate(body).choices[0].message.content == "ok"
-    body = result_line("B", completion, "demo", "ok", "stop", usage, {}, None)["response"]["body"]
-    assert openai_types.Completion.model_validate(body).choices[0].text == "ok"
+    pair = engine.load_pair(calibrate=False)
+    for job, kind in ((chat, ChatCompletion), (completion, Completion)):
+        body = execute(pair, "demo", "B", job, "w1").line["response"]["body"]
+        parsed = kind.model_validate(body)
+        assert parsed.model_dump(exclude_unset=True) == body  # every field read back as is
+        assert parsed.usage.prompt_tokens_details.cached_tokens == 0
+        assert parsed.usage.completion_tokens == body["usage"]["completion_tokens"] > 0
+
+
+def test_the_openai_sdk_the_tests_run_with_is_one_the_test_extra_allows():
+    """The result-line tests prove compatibility with the SDK installed; the test extra's
+    pin must admit it (it once said <3 while pip installed 3.x)."""
+    import re
+    from pathlib import Path
+
+    import openai
+    from packaging.specifiers import SpecifierSet
+
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    (pin,) = re.findall(r'"openai([<>=!~][^";]*)"', pyproject)
+    assert openai.__version__ in SpecifierSet(pin), (openai.__version__, pin)
 
 
 def test_summed_counters_match_the_engine_arithmetic():

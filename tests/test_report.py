@@ -302,7 +302,7 @@ def test_report_from_a_batch_in_redis(redis_url, files, tmp_path, monkeypatch):
     page = out.read_text()
     assert "batch b1" in page and "<th>requests</th><td class=n>32</td>" in page
     res = _run(["nope", "--redis", redis_url, "-o", str(out)])
-    assert res.exit_code == 1 and "no batch 'nope'" in res.output
+    assert res.exit_code == 1 and "no such batch 'nope'" in res.output
 
 
 def test_redis_down_is_one_clear_line(tmp_path):

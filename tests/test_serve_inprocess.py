@@ -213,3 +213,47 @@ def test_spec_serve_on_a_reachable_address_needs_an_api_key(monkeypatch):
     assert got.output == (
         "spec-serve: error: --host 0.0.0.0 is reachable from other machines: set SPEC_API_KEY\n"
     )
+
+
+def test_an_unknown_batch_id_says_which_kind_of_unknown_and_what_to_do(api, redis_env, tmp_path):
+    """A mistyped id is "no such batch"; a spec-serve batch that failed validation says
+    so and where its problems are; a batch submitted here whose keys are gone says it
+    expired or was lost. Each names what to do."""
+    from click.testing import CliRunner
+
+    from producer import cli
+
+    def status(batch_id: str) -> str:
+        got = CliRunner().invoke(cli.status, [batch_id])
+        assert got.exit_code == 1, got.output
+        return got.stderr
+
+    prefix = redis_env.prefix
+    jobs = tmp_path / "jobs.jsonl"
+    jobs.write_text('{"custom_id": "a", "prompt": "hi", "max_tokens": 2}\n')
+    batch = redis_env.batch_id("known")
+    assert CliRunner().invoke(cli.submit, [str(jobs), "--batch-id", batch]).exit_code == 0
+    since = float(redis_env.conn.zscore(redis_env.keys.batches, batch))
+    when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(since))
+    assert status(batch + "x") == (
+        f"spec-status: error: no such batch '{batch}x': none with that id was submitted to "
+        f"this Redis (prefix '{prefix}') since {when} (1 batch(es) recorded); check the id "
+        "(spec-submit printed it; spec-collect --delete forgets a batch)\n"
+    )
+    with api() as client:
+        file_id = _upload(client, _line("a", max_tokens=0) + "\n")
+        created = _create(client, file_id).json()
+        failed = _wait(client, created["id"], lambda b: b["status"] != "validating")
+        assert failed["status"] == "failed"
+    assert status(created["id"]) == (
+        f"spec-status: error: batch {created['id']} was created through spec-serve and "
+        f"failed validation, so nothing was queued: GET /v1/batches/{created['id']} lists "
+        "the problems (errors.data); fix the file and create a new batch\n"
+    )
+    redis_env.conn.delete(*redis_env.keys.batch_keys(batch))  # what a result TTL does
+    assert status(batch) == (
+        f"spec-status: error: batch {batch} was submitted to this Redis (prefix '{prefix}') "
+        f"at {when} but its keys are gone: it expired if it had a result TTL (--result-ttl, "
+        "SPEC_RESULT_TTL_S), else Redis lost it (restarted without persistence?); to run it "
+        f"again, re-submit its file with --batch-id {batch}\n"
+    )

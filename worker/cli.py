@@ -17,17 +17,10 @@ import sys
 import time
 
 import click
-import redis
-from rq.serializers import JSONSerializer
 
+from contract.stats import tokens_per_second
 from jobstore import config
-from jobstore.connection import (
-    RedisUnavailable,
-    connect,
-    warn_if_evicting,
-)
-from jobstore.errors import BatchIdError
-from jobstore.jobfile import JobFileError, validate
+from jobstore.errors import BatchIdError, RedisUnavailable
 from jobstore.keys import Keys, check_batch_id, new_batch_id
 from jobstore.options import EXIT_REDIS, fail, pair_options, redis_option
 
@@ -124,6 +117,10 @@ def worker(
     redis_url, target, draft, alias, burst, max_jobs, name, max_batch, audit_rate, log_level
 ):
     """Serve one model alias from its queue: load the pair once, run jobs in this process."""
+    import redis  # redis-py, rq and pydantic load in the commands, not for `--help`
+    from rq.serializers import JSONSerializer
+
+    from jobstore.connection import connect, warn_if_evicting
     from worker.audit import Auditor
     from worker.guard import job_class
     from worker.jobs import WorkerContext
@@ -300,6 +297,7 @@ def run(
 ):
     """Run a job file in this process, without Redis: the same validation, engine and
     result lines as the queue."""
+    from jobstore.jobfile import JobFileError, validate
     from worker.local import context_check, run_file
 
     _setup_logging("WARNING")
@@ -345,10 +343,10 @@ def run(
         if errors_out is not out:
             errors_out.close()
     sd = summary.stats.to_dict()
-    rate = summary.completion_tokens / summary.seconds if summary.seconds else 0.0
+    rate = tokens_per_second(summary.completion_tokens, summary.seconds * 1000)
     _say(
         f"spec-run: batch {batch_id}: {summary.completed} completed, {summary.failed} failed "
-        f"in {summary.seconds:.1f} s; {summary.completion_tokens} tokens, {rate:.1f} tok/s; "
+        f"in {summary.seconds:.1f} s; {summary.completion_tokens} tokens, {rate:.1f} tokens/s; "
         f"acceptance {sd['draft_acceptance_rate']:.2f}, mean acceptance length "
         f"{sd['mean_acceptance_length']:.2f}; prompt tokens {summary.prompt_tokens}, "
         f"{summary.cached_tokens} reused from the prefix cache"

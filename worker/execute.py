@@ -95,7 +95,9 @@ def outcome_of(
         return failure(batch_id, job, "context_length_exceeded", f"{job.prompt_field}: {res}")
     if isinstance(res, engine.InvalidRequestError):
         return failure(batch_id, job, "invalid_request", str(res))
-    metrics = {**res.metrics, "worker": worker_identity(worker)}
+    # busy_ms: the worker's wall time this line is charged (rows decoded together share
+    # it), so a worker's lines sum to its busy time and the report divides like status.
+    metrics = {**res.metrics, "busy_ms": busy_ms, "worker": worker_identity(worker)}
     line = result_line(batch_id, job, alias, res.text, res.finish_reason, res.usage, metrics, seed)
     counters = result_counters(res.usage, dataclasses.asdict(res.stats), busy_ms)
     audited = None

@@ -171,6 +171,7 @@ def _progress_line(summary: RunSummary, job: JobLine, outcome: Outcome) -> str:
     metrics = outcome.line["response"]["body"]["metrics"]
     sd = metrics.get("speculative_decoding", {})
     return head + (
-        f"{outcome.completion_tokens} tokens, {metrics.get('tokens_per_second', 0):.1f} tok/s, "
+        f"{outcome.completion_tokens} tokens, "
+        f"{metrics.get('tokens_per_second', 0):.1f} per-request tokens/s, "
         f"acceptance {sd.get('draft_acceptance_rate', 0):.2f}"
     )
