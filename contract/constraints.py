@@ -37,6 +37,19 @@ CONSTRAINT_FIELDS = (
 )
 #: The kinds a normalised constraint may have.
 KINDS = ("json_schema", "regex", "choice", "grammar")
+#: Keyword arguments of `llguidance.LLParserLimits` for every compile of a constraint
+#: (the submit check, jobstore.grammars, and the engine alike), so what passes at submit
+#: compiles in a worker: llguidance's defaults with a smaller grammar and lexer, and
+#: short error messages (no parser state, no schema echoed back).
+PARSER_LIMITS = {
+    "max_items_in_row": 2000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "max_lexer_states": 100_000,
+    "max_grammar_size": 250_000,
+    "verbose_errors": False,
+}
 
 
 class ConstraintError(ValueError):
