@@ -10,7 +10,7 @@ import pytest
 from contract.defaults import JOB_FILE
 from jobstore import config
 from jobstore.jobfile import LineError, validate_file
-from jobstore.lines import effective_seed, error_line, result_line
+from jobstore.lines import Choice, effective_seed, error_line, result_line
 from jobstore.store import spec_summary
 
 GOOD = '{"custom_id": "row-1", "prompt": "def f(x):", "max_tokens": 4}'
@@ -541,7 +541,7 @@ def test_result_and_error_lines_have_the_openai_batch_shape(tmp_path):
         "total_tokens": 5,
         "prompt_tokens_details": {"cached_tokens": 2},
     }
-    line = result_line("B", chat, "demo", "ok", "stop", usage, {"x": 1}, 9, created=100)
+    line = result_line("B", chat, "demo", [Choice("ok", "stop")], usage, {"x": 1}, 9, created=100)
     assert line == {
         "id": "B-1",
         "custom_id": "c",
@@ -570,7 +570,9 @@ def test_result_and_error_lines_have_the_openai_batch_shape(tmp_path):
         "error": None,
     }
     usage.pop("prompt_tokens_details")  # an engine that keeps no prefixes: 0
-    body = result_line("B", completion, "demo", "ok", "length", usage, {}, None)["response"]["body"]
+    body = result_line("B", completion, "demo", [Choice("ok", "length")], usage, {}, None)[
+        "response"
+    ]["body"]
     assert body["object"] == "text_completion" and body["id"] == "cmpl-B-2"
     assert body["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
     assert body["choices"] == [
@@ -594,9 +596,13 @@ def test_result_bodies_parse_as_openai_objects(tmp_path):
     )
     chat, completion = validate_file(str(path))
     usage = {"prompt_tokens": 3, "completion_tokens": 2, "total_tokens": 5}
-    body = result_line("B", chat, "demo", "ok", "stop", usage, {}, None)["response"]["body"]
+    body = result_line("B", chat, "demo", [Choice("ok", "stop")], usage, {}, None)["response"][
+        "body"
+    ]
     assert openai_types.chat.ChatCompletion.model_validate(body).choices[0].message.content == "ok"
-    body = result_line("B", completion, "demo", "ok", "stop", usage, {}, None)["response"]["body"]
+    body = result_line("B", completion, "demo", [Choice("ok", "stop")], usage, {}, None)[
+        "response"
+    ]["body"]
     assert openai_types.Completion.model_validate(body).choices[0].text == "ok"
 
 
@@ -721,3 +727,147 @@ def test_new_request_fields_reach_the_params():
     ]:
         (job,) = parse_line(4, ('{"custom_id": "r", "prompt": "x", ' + door + "}").encode())
         assert job.params["constraint"] == expected
+
+
+# Result lines written by result_line before choices became a list: one choice must
+# still give these bytes.
+_METRICS = {
+    "time_to_first_token_ms": 1.5,
+    "generation_time_ms": 20.25,
+    "tokens_per_second": 395.1,
+    "speculative_decoding": {
+        "drafter": "model",
+        "num_spec_steps": 2,
+        "num_draft_tokens": 8,
+        "num_accepted_draft_tokens": 6,
+        "draft_acceptance_rate": 0.75,
+        "mean_acceptance_length": 4.0,
+        "acceptance_histogram": [0, 0, 1, 0, 1],
+        "per_position_acceptance": [1.0, 1.0, 0.5, 0.5],
+        "draft_tokens_per_position": [2, 2, 2, 2],
+    },
+    "worker": {"name": "w1", "host": "h"},
+}
+_USAGE = {
+    "prompt_tokens": 7,
+    "completion_tokens": 8,
+    "total_tokens": 15,
+    "prompt_tokens_details": {"cached_tokens": 4},
+}
+_SPEC = (
+    '"speculative_decoding":{"drafter":"model","num_spec_steps":2,"num_draft_tokens":8,'
+    '"num_accepted_draft_tokens":6,"draft_acceptance_rate":0.75,"mean_acceptance_length":4.0,'
+    '"acceptance_histogram":[0,0,1,0,1],"per_position_acceptance":[1.0,1.0,0.5,0.5],'
+    '"draft_tokens_per_position":[2,2,2,2]}'
+)
+_TAIL = (
+    '"usage":{"prompt_tokens":7,"completion_tokens":8,"total_tokens":15,'
+    '"prompt_tokens_details":{"cached_tokens":4}},"metrics":{"time_to_first_token_ms":1.5,'
+    '"generation_time_ms":20.25,"tokens_per_second":395.1,' + _SPEC + ","
+    '"worker":{"name":"w1","host":"h"}}'
+)
+GOLDEN_CHAT = (
+    '{"id":"B-1","custom_id":"c","response":{"status_code":200,"request_id":"B-1","body":'
+    '{"id":"chatcmpl-B-1","object":"chat.completion","created":100,"model":"demo","choices":'
+    '[{"index":0,"message":{"role":"assistant","content":"Hé \\"ok\\"\\n"},"logprobs":null,'
+    '"finish_reason":"stop"}],' + _TAIL + ',"seed":9,"user":"u","metadata":{"k":"v"}}},'
+    '"error":null}'
+)
+GOLDEN_COMPLETION = (
+    '{"id":"B-2","custom_id":"p","response":{"status_code":200,"request_id":"B-2","body":'
+    '{"id":"cmpl-B-2","object":"text_completion","created":100,"model":"demo","choices":'
+    '[{"index":0,"text":" return x","logprobs":null,"finish_reason":"length"}],'
+    + _TAIL
+    + ',"seed":null}},"error":null}'
+)
+
+
+def _two_lines():
+    from jobstore.jobfile import parse_line
+
+    (chat,) = parse_line(
+        1,
+        b'{"custom_id":"c","messages":[{"role":"user","content":"hi"}],"user":"u",'
+        b'"metadata":{"k":"v"}}',
+    )
+    (completion,) = parse_line(2, b'{"custom_id":"p","prompt":"def f(x):"}')
+    return chat, completion
+
+
+def test_a_one_choice_line_is_byte_identical_to_before():
+    from jobstore.lines import dumps, pack, unpack
+
+    chat, completion = _two_lines()
+    line = result_line("B", chat, "demo", [Choice('Hé "ok"\n', "stop")], _USAGE, _METRICS, 9, 100)
+    assert dumps(line) == GOLDEN_CHAT
+    line = result_line(
+        "B", completion, "demo", [Choice(" return x", "length")], _USAGE, _METRICS, None, 100
+    )
+    assert dumps(line) == GOLDEN_COMPLETION
+    assert unpack(pack(GOLDEN_CHAT), 1 << 20) == GOLDEN_CHAT
+
+
+def _entries(pieces: list[tuple[str, float]]) -> list[dict]:
+    return [
+        {
+            "token": t,
+            "logprob": lp,
+            "bytes": list(t.encode()),
+            "top_logprobs": [
+                {"token": t, "logprob": lp, "bytes": list(t.encode())},
+                {"token": "zz", "logprob": lp - 1.5, "bytes": list(b"zz")},
+            ],
+        }
+        for t, lp in pieces
+    ]
+
+
+def test_choices_reasoning_and_logprobs_in_openai_shapes():
+    from jobstore.lines import dumps, pack, unpack
+
+    openai_types = pytest.importorskip("openai.types")
+    chat, completion = _two_lines()
+    usage = {"prompt_tokens": 7, "completion_tokens": 5, "total_tokens": 12}
+    choices = [
+        Choice("{}", "stop", _entries([("{", -0.25), ("}", -0.5)]), reasoning="think: 你好"),
+        Choice("[1]", "length", _entries([("[", -1.0), ("1", -2.0), ("]", -0.125)])),
+    ]
+    body = result_line("B", chat, "demo", choices, usage, {}, 9)["response"]["body"]
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert body["choices"][0]["message"] == {
+        "role": "assistant",
+        "content": "{}",
+        "reasoning_content": "think: 你好",
+    }
+    assert "reasoning_content" not in body["choices"][1]["message"]
+    parsed = openai_types.chat.ChatCompletion.model_validate(body)
+    assert [c.message.content for c in parsed.choices] == ["{}", "[1]"]
+    content = parsed.choices[1].logprobs.content
+    assert [(x.token, x.logprob, x.bytes) for x in content][:1] == [("[", -1.0, [91])]
+    assert [t.token for t in content[0].top_logprobs] == ["[", "zz"]
+    assert parsed.choices[0].message.model_extra == {"reasoning_content": "think: 你好"}
+    # The completions endpoint: the legacy shape, offsets in characters of the text.
+    choices = [Choice("é1", "stop", _entries([("é", -0.5), ("1", -0.75)]))]
+    body = result_line("B", completion, "demo", choices, usage, {}, None)["response"]["body"]
+    assert body["choices"][0]["logprobs"] == {
+        "tokens": ["é", "1"],
+        "token_logprobs": [-0.5, -0.75],
+        "top_logprobs": [{"é": -0.5, "zz": -2.0}, {"1": -0.75, "zz": -2.25}],
+        "text_offset": [0, 1],
+    }
+    parsed = openai_types.Completion.model_validate(body)
+    assert parsed.choices[0].logprobs.text_offset == [0, 1]
+    text = dumps(result_line("B", chat, "demo", choices * 3, usage, {}, 9))
+    assert unpack(pack(text), 1 << 20) == text
+
+
+def test_text_offsets_count_a_character_split_across_tokens_once():
+    from jobstore.lines import completion_logprobs
+
+    euro = "€".encode()  # three bytes, sent as two tokens, then "x"
+    entries = [
+        {"token": "bytes:\\xe2\\x82", "logprob": -1.0, "bytes": list(euro[:2])},
+        {"token": "bytes:\\xac", "logprob": -1.0, "bytes": list(euro[2:])},
+        {"token": "x", "logprob": -1.0, "bytes": [120]},
+    ]
+    assert completion_logprobs(entries)["text_offset"] == [0, 0, 1]
