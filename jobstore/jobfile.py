@@ -8,7 +8,9 @@ as JSON (NaN, Infinity and duplicate keys rejected), then checked by pydantic mo
 with `extra="forbid"`. Two forms are accepted (FORMATS.md): the OpenAI batch envelope
 `{"custom_id", "method", "url", "body": {...}}` and the short form with the body's
 fields at the top level. Field names in messages carry a `body.` prefix in the
-envelope form, so they point at the place in the line the user must edit.
+envelope form, so they point at the place in the line the user must edit. A line's
+output constraint (response_format, structured_outputs, guided_*) is compiled here too
+(jobstore.grammars), once the rest of the line is valid.
 """
 
 from __future__ import annotations
@@ -82,7 +84,10 @@ class JobLine:
 
     `params` holds exactly the keyword arguments of `engine.GenerationRequest`
     (prompt or messages, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-    num_draft_tokens, drafter), as plain JSON values; `echo` the echoed OpenAI fields.
+    num_draft_tokens, drafter, n, logprobs, top_logprobs, frequency_penalty,
+    presence_penalty, repetition_penalty, logit_bias, chat_template_kwargs, and
+    `constraint`: the normalised output constraint of contract.constraints, or None),
+    as plain JSON values; `echo` the echoed OpenAI fields.
     """
 
     line: int
