@@ -212,8 +212,22 @@ def grammar(constraint: dict) -> str:
 
 
 def _lark_regex(pattern: str) -> str:
-    # As llguidance's grammar_from_regex: the regex as one Lark terminal, slashes escaped.
-    return "start: /" + pattern.replace("/", "\\/") + "/"
+    """The regex as one Lark terminal, as llguidance's `regex_to_lark` writes it: a bare
+    "/" escaped (an escaped one, `\\/`, kept as it is), line breaks and tabs as escapes,
+    every other escape left alone."""
+    out, i = [], 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        out.append(_LARK_REGEX_ESCAPES.get(ch, ch))
+        i += 1
+    return "start: /" + "".join(out) + "/"
+
+
+_LARK_REGEX_ESCAPES = {"/": "\\/", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _grammars(entry: dict) -> str:
