@@ -63,10 +63,21 @@ def test_json_is_compact_unless_asked(matcher):
     assert matcher(flexible, '{ "a": 12}')
 
 
-def test_one_constraint_per_line_and_a_stable_key():
+def test_one_constraint_per_line_and_a_stable_key(matcher):
     _, a = normalise({"guided_json": '{"type": "object", "properties": {"x": {}}}'})
-    _, b = normalise({"structured_outputs": {"json": {"properties": {"x": {}}, "type": "object"}}})
+    _, b = normalise({"structured_outputs": {"json": {"type": "object", "properties": {"x": {}}}}})
     assert key(a) == key(b)
+    # Property order is output order: such schemas must not share a compiled grammar.
+    props = {"x": {"type": "integer"}, "y": {"type": "integer"}}
+    xy = {
+        "type": "json_schema",
+        "schema": {"type": "object", "properties": props, "required": ["x", "y"]},
+    }
+    yx = json.loads(json.dumps(xy))
+    yx["schema"]["properties"] = {"y": props["y"], "x": props["x"]}
+    assert matcher(xy, '{"x":1,"y":2}') and matcher(yx, '{"y":2,"x":1}')
+    assert not matcher(xy, '{"y":2,"x":1}')
+    assert key(xy) != key(yx)
     with pytest.raises(ConstraintError) as exc:
         normalise({"guided_choice": ["a"], "structured_outputs": {"regex": "b"}})
     assert exc.value.field == "guided_choice"
