@@ -66,13 +66,7 @@ def check_constraint(field: str, constraint: dict) -> ConstraintError | None:
         depth = _depth(constraint["schema"], MAX_SCHEMA_DEPTH)
         if depth > MAX_SCHEMA_DEPTH:
             return ConstraintError(where, f"nested deeper than {MAX_SCHEMA_DEPTH} levels")
-    text = grammar(constraint)
-    size = len(text.encode("utf-8"))
-    if size > MAX_GRAMMAR_BYTES:
-        return ConstraintError(
-            where, f"too large to compile: {size} bytes as a grammar, over {MAX_GRAMMAR_BYTES}"
-        )
-    verdict = _verdict(key(constraint), text)
+    verdict = _verdict(key(constraint), constraint)
     return None if verdict is None else ConstraintError(where, verdict)
 
 
@@ -104,14 +98,22 @@ def _depth(value, limit: int) -> int:
     return deepest
 
 
-def _verdict(cache_key: str, text: str) -> str | None:
+def _verdict(cache_key: str, constraint: dict) -> str | None:
+    """Why the constraint does not compile (None: it does), from the cache or else by
+    building its grammar, bounding its size and compiling it."""
     global _compiles
     with _lock:
         if cache_key in _cache:
             _cache.move_to_end(cache_key)
             return _cache[cache_key]
-        verdict = _COMPILER.check(text)
-        _compiles += 1
+        data = grammar(constraint).encode("utf-8")
+        if len(data) > MAX_GRAMMAR_BYTES:
+            verdict = (
+                f"too large to compile: {len(data)} bytes as a grammar, over {MAX_GRAMMAR_BYTES}"
+            )
+        else:
+            verdict = _COMPILER.check(data)
+            _compiles += 1
         _cache[cache_key] = verdict
         if len(_cache) > CACHE_ENTRIES:
             _cache.popitem(last=False)
@@ -145,9 +147,9 @@ class _Compiler:
                 pipe.close()
             self.proc = None
 
-    def check(self, text: str) -> str | None:
-        """None if llguidance compiles `text`, else why not, in one line."""
-        data = text.encode("utf-8")
+    def check(self, data: bytes) -> str | None:
+        """None if llguidance compiles the grammar `data` (UTF-8), else why not, in one
+        line."""
         for attempt in (1, 2):  # a child that died since its last use is replaced once
             if self.proc is None or self.proc.poll() is not None:
                 self._stop()
