@@ -99,3 +99,24 @@ def test_a_compile_past_its_deadline_is_an_error(monkeypatch):
 def test_errors_name_the_field_that_holds_the_constraint(door, field):
     (error,) = parse_line(1, ('{"custom_id": "f", "prompt": "x", ' + door + "}").encode())
     assert isinstance(error, LineError) and error.field == field, error
+
+
+def test_a_worker_refuses_a_stored_constraint_that_does_not_compile():
+    from jobstore.jobfile import JobLine
+    from worker.execute import unusable_constraint
+
+    record = {
+        "line": 3,
+        "custom_id": "raw",
+        "endpoint": "completion",
+        "model": "demo",
+        "params": {"prompt": "x", "max_tokens": 4, "temperature": 0.0},
+    }
+    assert unusable_constraint("B", JobLine.from_record(record)) is None
+    record["params"]["constraint"] = {"type": "grammar", "grammar": "start: nowhere"}
+    outcome = unusable_constraint("B", JobLine.from_record(record))
+    assert not outcome.ok and outcome.line["error"] == {
+        "code": "invalid_request",
+        "message": 'constraint: at 1(8): unknown name: "nowhere" 1 | start: nowhere ^',
+        "line": 3,
+    }

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import engine
 from engine.sampling import SamplingParams
+from jobstore.grammars import check_constraint
 from jobstore.jobfile import JobLine
 from jobstore.lines import cached_tokens, effective_seed, error_line, result_line
 from jobstore.store import result_counters
@@ -169,6 +170,20 @@ def combine(results: list) -> tuple[dict, dict, engine.SpecStats]:
         "speculative_decoding": stats.to_dict(),
     }
     return usage, metrics, stats
+
+
+def unusable_constraint(batch_id: str, job: JobLine) -> Outcome | None:
+    """The `invalid_request` line of a request whose output constraint does not compile
+    (jobstore.grammars, the submit-time check, cached per process), else None: a record
+    written straight into Redis must not reach the engine's compiler, which some
+    grammars crash (a stack overflow takes the whole process)."""
+    constraint = job.params.get("constraint")
+    if constraint is None:
+        return None
+    problem = check_constraint("constraint", constraint)
+    if problem is None:
+        return None
+    return failure(batch_id, job, "invalid_request", str(problem))
 
 
 def context_overflow(pair, batch_id: str, job: JobLine) -> Outcome | None:
