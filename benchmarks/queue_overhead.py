@@ -42,7 +42,7 @@ import report  # noqa: E402
 from jobstore import store  # noqa: E402
 from jobstore.jobfile import JobLine  # noqa: E402
 from jobstore.keys import Keys  # noqa: E402
-from jobstore.lines import dumps, result_line, unpack  # noqa: E402
+from jobstore.lines import Choice, dumps, result_line, unpack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
@@ -157,7 +157,9 @@ def fake_results(conn, keys: Keys, batch: str, chunk: int = 1000) -> int:
         with conn.pipeline(transaction=False) as pipe:
             for key, record in items[i : i + chunk]:
                 job = JobLine.from_record(json.loads(record))
-                line = result_line(batch, job, "demo", " return n", "length", usage, metrics, None)
+                line = result_line(
+                    batch, job, "demo", [Choice(" return n", "length")], usage, metrics, None
+                )
                 store.store_line(
                     pipe, keys, batch, key.decode(), dumps(line), ok=True, counters=counters
                 )

@@ -84,9 +84,15 @@ def stub_generate_many(pair, requests, max_batch=16, expired=None):
             yield i, stub_result(request)
 
 
+def stub_generate_choices(pair, request, max_batch=16):
+    """A line's n choices, each its own stub row (engine.choice_requests' seeds)."""
+    return [stub_result(r) for r in engine.choice_requests(request)]
+
+
 def main(argv: list[str] | None = None) -> None:
     engine.generate = stub_generate
     engine.generate_many = stub_generate_many
+    engine.generate_choices = stub_generate_choices
     cli._load_pair = lambda name, target, draft: StubPair()
     cli.worker.main(args=argv, prog_name="spec-worker (stub engine)")
 

@@ -37,6 +37,19 @@ CONSTRAINT_FIELDS = (
 )
 #: The kinds a normalised constraint may have.
 KINDS = ("json_schema", "regex", "choice", "grammar")
+#: Keyword arguments of `llguidance.LLParserLimits` for every compile of a constraint
+#: (the submit check, jobstore.grammars, and the engine alike), so what passes at submit
+#: compiles in a worker: llguidance's defaults with a smaller grammar and lexer, and
+#: short error messages (no parser state, no schema echoed back).
+PARSER_LIMITS = {
+    "max_items_in_row": 2000,
+    "initial_lexer_fuel": 1_000_000,
+    "step_lexer_fuel": 200_000,
+    "step_max_items": 50_000,
+    "max_lexer_states": 100_000,
+    "max_grammar_size": 250_000,
+    "verbose_errors": False,
+}
 
 
 class ConstraintError(ValueError):
@@ -239,8 +252,22 @@ def closed(schema):
 
 
 def _lark_regex(pattern: str) -> str:
-    # As llguidance's grammar_from_regex: the regex as one Lark terminal, slashes escaped.
-    return "start: /" + pattern.replace("/", "\\/") + "/"
+    """The regex as one Lark terminal, as llguidance's `regex_to_lark` writes it: a bare
+    "/" escaped (an escaped one, `\\/`, kept as it is), line breaks and tabs as escapes,
+    every other escape left alone."""
+    out, i = [], 0
+    while i < len(pattern):
+        ch = pattern[i]
+        if ch == "\\" and i + 1 < len(pattern):
+            out.append(pattern[i : i + 2])
+            i += 2
+            continue
+        out.append(_LARK_REGEX_ESCAPES.get(ch, ch))
+        i += 1
+    return "start: /" + "".join(out) + "/"
+
+
+_LARK_REGEX_ESCAPES = {"/": "\\/", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _grammars(entry: dict) -> str:
@@ -250,8 +277,10 @@ def _grammars(entry: dict) -> str:
 
 
 def key(constraint: dict) -> str:
-    """A stable text key of a normalised constraint (for caches of compiled grammars)."""
-    return json.dumps(constraint, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+    """A stable text key of a normalised constraint (for caches of compiled grammars).
+    Keys keep their order: a schema's property order is the order its JSON output
+    writes them in, so two schemas that differ only there compile to different grammars."""
+    return json.dumps(constraint, ensure_ascii=False, separators=(",", ":"))
 
 
 def _show(value: Any, limit: int = 60) -> str:

@@ -58,8 +58,10 @@ class Grammars:
         key = constraints.key(constraint)
         proto = self._compiled.get(key)
         if proto is None:
+            # The submit-time check's limits, so what passed there compiles here.
+            limits = llguidance.LLParserLimits(**constraints.PARSER_LIMITS)
             proto = llguidance.LLMatcher(
-                self.tokenizer, constraints.grammar(constraint), log_level=0
+                self.tokenizer, constraints.grammar(constraint), log_level=0, limits=limits
             )
             self.compiles += 1
             if proto.is_error():

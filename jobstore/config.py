@@ -82,9 +82,10 @@ SUBMIT_LOCK_WAIT_S = 30
 #: Lines per Redis pipeline when enqueueing and collecting (bounds memory).
 CHUNK_LINES = 500
 
-#: Most lines one RQ job carries. A job per line costs Redis ~1 KB and ~70 commands of
-#: RQ bookkeeping; a job of many lines shares that cost, and its lines stay idempotent
-#: one by one (jobstore.store), so a job that runs again skips the lines it answered.
+#: Most rows one RQ job carries (a line is a row per choice: n rows). A job per line
+#: costs Redis ~1 KB and ~70 commands of RQ bookkeeping; a job of many lines shares that
+#: cost, and its lines stay idempotent one by one (jobstore.store), so a job that runs
+#: again skips the lines it answered. A line of more choices than this is a job alone.
 JOB_LINES_MAX = 64
 
 #: spec-submit aims for at least this many jobs per batch (a small file keeps one line
@@ -160,8 +161,8 @@ def submit_lock_wait_s() -> float:
 
 
 def job_lines(total_lines: int) -> int:
-    """Lines per RQ job for a file of `total_lines` lines (SPEC_JOB_LINES overrides the
-    choice; it is still capped at JOB_LINES_MAX)."""
+    """Rows per RQ job for a file of `total_lines` rows (a line counts its n choices;
+    SPEC_JOB_LINES overrides the choice; it is still capped at JOB_LINES_MAX)."""
     forced = int(os.environ.get("SPEC_JOB_LINES") or 0)
     chosen = forced if forced > 0 else total_lines // JOB_SPREAD
     return max(1, min(JOB_LINES_MAX, chosen))
@@ -228,12 +229,13 @@ def redact(url: str) -> str:
 _PASSWORD_ARG = re.compile(r"([?&][^=&#]*password=)[^&#]*", re.IGNORECASE)
 
 
-def job_timeout_s(max_tokens: int, prompt_chars: int) -> int:
+def job_timeout_s(max_tokens: int, prompt_chars: int, rows: int = 1) -> int:
     """Seconds one line may run before its worker stops it; grows with the work asked
-    for. Stored with the line's request at submit time."""
+    for (`rows`: its choices, n, each up to max_tokens). Stored with the line's request
+    at submit time."""
     return int(
         JOB_TIMEOUT_BASE_S
-        + JOB_TIMEOUT_PER_TOKEN_S * max_tokens
+        + JOB_TIMEOUT_PER_TOKEN_S * max_tokens * rows
         + JOB_TIMEOUT_PER_PROMPT_CHAR_S * prompt_chars
     )
 

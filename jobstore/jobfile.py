@@ -8,7 +8,9 @@ as JSON (NaN, Infinity and duplicate keys rejected), then checked by pydantic mo
 with `extra="forbid"`. Two forms are accepted (FORMATS.md): the OpenAI batch envelope
 `{"custom_id", "method", "url", "body": {...}}` and the short form with the body's
 fields at the top level. Field names in messages carry a `body.` prefix in the
-envelope form, so they point at the place in the line the user must edit.
+envelope form, so they point at the place in the line the user must edit. A line's
+output constraint (response_format, structured_outputs, guided_*) is compiled here too
+(jobstore.grammars), once the rest of the line is valid.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -23,9 +26,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
+from contract.constraints import CONSTRAINT_FIELDS, ConstraintError, normalise
 from contract.defaults import JOB_FILE
 from contract.limits import (
     DRAFTERS,
+    LOGIT_BIAS_MAX,
+    MAX_COMPLETION_LOGPROBS,
     MAX_CUSTOM_ID_CHARS,
     MAX_DRAFT_TOKENS,
     MAX_STOP_STRINGS,
@@ -35,6 +41,7 @@ from contract.limits import (
 )
 from jobstore import config
 from jobstore.errors import JobStoreError
+from jobstore.grammars import check_constraint
 
 CHAT_URL = "/v1/chat/completions"
 COMPLETION_URL = "/v1/completions"
@@ -46,10 +53,6 @@ ECHOED_FIELDS = ("user", "metadata", "store")
 #: OpenAI fields that would change the output and that this service does not do:
 #: name -> (values that mean "off" and may be dropped, what to say).
 UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
-    "n": ((1,), "only n=1 is supported (one choice per line)"),
-    "best_of": ((1,), "only best_of=1 is supported"),
-    "logprobs": ((False,), "logprobs are not supported"),
-    "top_logprobs": ((), "logprobs are not supported"),
     "echo": ((False,), "echo is not supported"),
     "suffix": ((), "suffix (insertion) is not supported"),
     "stream": ((False,), "streaming is not supported in a batch"),
@@ -59,11 +62,6 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "parallel_tool_calls": ((), "tool calling is not supported"),
     "functions": ((), "function calling is not supported"),
     "function_call": (("none",), "function calling is not supported"),
-    "response_format": (({"type": "text"},), 'only response_format {"type": "text"} is supported'),
-    "logit_bias": (({},), "logit_bias is not supported"),
-    "presence_penalty": ((0,), "presence_penalty is not supported (only 0)"),
-    "frequency_penalty": ((0,), "frequency_penalty is not supported (only 0)"),
-    "repetition_penalty": ((1,), "repetition_penalty is not supported (only 1)"),
     "modalities": ((["text"],), "only text output is supported"),
     "audio": ((), "audio output is not supported"),
     "prediction": ((), "predicted outputs are not supported"),
@@ -86,7 +84,10 @@ class JobLine:
 
     `params` holds exactly the keyword arguments of `engine.GenerationRequest`
     (prompt or messages, max_tokens, temperature, top_p, top_k, min_p, seed, stop,
-    num_draft_tokens, drafter), as plain JSON values; `echo` the echoed OpenAI fields.
+    num_draft_tokens, drafter, n, logprobs, top_logprobs, frequency_penalty,
+    presence_penalty, repetition_penalty, logit_bias, chat_template_kwargs, and
+    `constraint`: the normalised output constraint of contract.constraints, or None),
+    as plain JSON values; `echo` the echoed OpenAI fields.
     """
 
     line: int
@@ -235,6 +236,12 @@ class _Speculative(_Strict):
         )
 
 
+#: The numeric fields checked against contract.limits.REQUEST_BOUNDS by one validator,
+#: in its words (`must be in [-2, 2], got 3`).
+_BOUNDED = ("n", "top_logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty")
+_TOKEN_ID = re.compile(r"^(0|[1-9][0-9]{0,9})$")
+
+
 class _Body(_Strict):
     model: str | None = None
     prompt: str | None = None
@@ -251,6 +258,42 @@ class _Body(_Strict):
     user: str | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
+    # null means the default for each of these (as OpenAI reads null).
+    n: int | None = None
+    best_of: int | None = None
+    logprobs: Any = None  # chat: a boolean; completions: an integer (checked per endpoint)
+    top_logprobs: int | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator(*_BOUNDED, mode="before")
+    @classmethod
+    def _bounded(cls, v: Any, info) -> Any:
+        # Before pydantic's own check, to show the value as written (3, not 3.0).
+        number = isinstance(v, (int, float)) and not isinstance(v, bool)
+        bound = REQUEST_BOUNDS[info.field_name]
+        if number and not bound.contains(v):
+            raise ValueError(f"{bound.rule()}, got {_show(v)}")
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v: dict | None) -> dict | None:
+        if not v:
+            return None
+        for key, bias in v.items():
+            if not _TOKEN_ID.match(key):
+                raise ValueError(f"key {_show(key)} is not a token id (a decimal integer)")
+            if isinstance(bias, bool) or not isinstance(bias, (int, float)):
+                raise ValueError(f"{key}: must be a number, got {_show(bias)}")
+            if not -LOGIT_BIAS_MAX <= bias <= LOGIT_BIAS_MAX:
+                raise ValueError(
+                    f"{key}: must be in [-{LOGIT_BIAS_MAX}, {LOGIT_BIAS_MAX}], got {_show(bias)}"
+                )
+        return v
 
     @field_validator("model")
     @classmethod
@@ -463,6 +506,12 @@ def _parse_line(number: int, raw: bytes, model_override: str | None) -> list:
             value = body.pop(name)
             if value is not None and not any(_same(value, h) for h in harmless):
                 err(prefix + name, f"not supported: {why}, got {_show(value)}")
+    asked = {f: body.pop(f) for f in CONSTRAINT_FIELDS if f in body}
+    try:
+        field_name, constraint = normalise(asked)
+    except ConstraintError as exc:
+        err(prefix + exc.field, exc.message)
+        field_name, constraint = "", None
     try:
         parsed = _Body.model_validate(body)
     except ValidationError as exc:
@@ -473,8 +522,13 @@ def _parse_line(number: int, raw: bytes, model_override: str | None) -> list:
     endpoint = _endpoint(parsed, url, prefix, err)
     if parsed.max_tokens is not None and parsed.max_completion_tokens is not None:
         err(prefix + "max_completion_tokens", "cannot be combined with max_tokens")
+    choices = _choices(parsed, prefix, err, endpoint)
     if errors:
         return errors
+    if constraint is not None:  # compiled last: only a line otherwise valid costs a compile
+        problem = check_constraint(field_name, constraint)
+        if problem is not None:
+            return [LineError(number, prefix + problem.field, problem.message, cid)]
 
     params: dict[str, Any] = {}
     if endpoint == "completion":
@@ -492,10 +546,76 @@ def _parse_line(number: int, raw: bytes, model_override: str | None) -> list:
         stop=parsed.stop,
         num_draft_tokens=spec.num_draft_tokens,
         drafter=spec.drafter,
+        **choices,
+        constraint=constraint,
     )
     echo = {k: getattr(parsed, k) for k in ECHOED_FIELDS if getattr(parsed, k) is not None}
     model = model_override or parsed.model
     return [JobLine(number, raw_cid, endpoint, model, params, echo, prefix)]
+
+
+def _choices(parsed: _Body, prefix: str, err, endpoint: Endpoint | None) -> dict[str, Any]:
+    """The choice, log-probability, penalty and template parameters of a line, named as
+    GenerationRequest's fields, each at its default when the line leaves it out (or
+    null). Problems go to `err`; the completions endpoint's integer `logprobs` (its
+    legacy shape) becomes logprobs=True with that many top log-probabilities."""
+    n = JOB_FILE.n if parsed.n is None else parsed.n
+    if parsed.best_of is not None and parsed.best_of not in (1, n):
+        err(
+            prefix + "best_of",
+            f"not supported: best_of must equal n (every choice is returned), got {parsed.best_of}",
+        )
+    logprobs, top = JOB_FILE.logprobs, JOB_FILE.top_logprobs
+    raw = parsed.logprobs
+    if endpoint == "completion":
+        if parsed.top_logprobs is not None:
+            err(
+                prefix + "top_logprobs",
+                f"not allowed with {COMPLETION_URL}: give logprobs as an integer "
+                f"from 0 to {MAX_COMPLETION_LOGPROBS}",
+            )
+        if raw is not None and raw is not False:
+            if isinstance(raw, bool) or not isinstance(raw, int):
+                err(
+                    prefix + "logprobs",
+                    f"must be an integer from 0 to {MAX_COMPLETION_LOGPROBS} on {COMPLETION_URL}, "
+                    f"got {_show(raw)}",
+                )
+            elif not 0 <= raw <= MAX_COMPLETION_LOGPROBS:
+                err(
+                    prefix + "logprobs",
+                    f"must be in [0, {MAX_COMPLETION_LOGPROBS}], got {raw}",
+                )
+            else:
+                logprobs, top = True, raw
+        if parsed.chat_template_kwargs:
+            err(
+                prefix + "chat_template_kwargs",
+                f"not allowed with {COMPLETION_URL} (a prompt has no chat template)",
+            )
+    elif endpoint == "chat":
+        if raw is not None and not isinstance(raw, bool):
+            err(prefix + "logprobs", f"must be true or false, got {_show(raw)}")
+        else:
+            logprobs = bool(raw)
+        if parsed.top_logprobs is not None:
+            if parsed.top_logprobs and not logprobs:
+                err(prefix + "top_logprobs", "requires logprobs: true")
+            top = parsed.top_logprobs
+    return {
+        "n": n,
+        "logprobs": logprobs,
+        "top_logprobs": top,
+        "frequency_penalty": _number(parsed.frequency_penalty, JOB_FILE.frequency_penalty),
+        "presence_penalty": _number(parsed.presence_penalty, JOB_FILE.presence_penalty),
+        "repetition_penalty": _number(parsed.repetition_penalty, JOB_FILE.repetition_penalty),
+        "logit_bias": parsed.logit_bias or JOB_FILE.logit_bias,
+        "chat_template_kwargs": parsed.chat_template_kwargs or JOB_FILE.chat_template_kwargs,
+    }
+
+
+def _number(value: float | None, default: float) -> float:
+    return default if value is None else float(value)
 
 
 def _endpoint(parsed: _Body, url: str | None, prefix: str, err) -> Endpoint | None:

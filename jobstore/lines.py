@@ -7,11 +7,13 @@ lines. Nothing here imports MLX: results arrive as plain values.
 
 from __future__ import annotations
 
+import codecs
 import hashlib
 import json
 import time
 import zlib
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:  # only its fields are read: status and collect need not load pydantic
     from jobstore.jobfile import JobLine
@@ -44,12 +46,23 @@ def effective_seed(batch_id: str, job: JobLine) -> int | None:
     return int.from_bytes(digest[:4], "big") & 0x7FFFFFFF
 
 
+class Choice(NamedTuple):
+    """One choice of a result line: what `result_line` reads of each (an engine
+    GenerationResult has the same attributes). `logprobs`: one entry per output token,
+    {"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}]}, or
+    None; `reasoning`: a thinking model's reasoning, or None."""
+
+    text: str
+    finish_reason: str
+    logprobs: list[dict] | None = None
+    reasoning: str | None = None
+
+
 def result_line(
     batch_id: str,
     job: JobLine,
     model: str,
-    text: str,
-    finish_reason: str,
+    choices: Sequence,
     usage: dict,
     metrics: dict,
     seed: int | None,
@@ -57,7 +70,13 @@ def result_line(
 ) -> dict:
     """A success line: OpenAI batch output wrapping a complete chat.completion or
     text_completion object, plus `metrics` (timings, speculative-decoding counters)
-    and the `seed` used."""
+    and the `seed` used.
+
+    `choices`: the line's choices in order (each a Choice or anything with its
+    attributes, such as an engine GenerationResult); `usage`: the line's, completion
+    tokens summed over its choices. A chat choice carries `message.reasoning_content`
+    only when it has reasoning, and `logprobs` as {"content": [...]}; a completion
+    choice carries them in the legacy shape (completion_logprobs)."""
     request_id = line_id(batch_id, job.line)
     created = int(time.time()) if created is None else created
     if job.endpoint == "chat":
@@ -66,14 +85,7 @@ def result_line(
             "object": "chat.completion",
             "created": created,
             "model": model,
-            "choices": [
-                {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "logprobs": None,
-                    "finish_reason": finish_reason,
-                }
-            ],
+            "choices": [_chat_choice(i, c) for i, c in enumerate(choices)],
         }
     else:
         body = {
@@ -82,7 +94,13 @@ def result_line(
             "created": created,
             "model": model,
             "choices": [
-                {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+                {
+                    "index": i,
+                    "text": c.text,
+                    "logprobs": completion_logprobs(_logprobs(c)),
+                    "finish_reason": c.finish_reason,
+                }
+                for i, c in enumerate(choices)
             ],
         }
     body["usage"] = {
@@ -100,6 +118,47 @@ def result_line(
         "custom_id": job.custom_id,
         "response": {"status_code": 200, "request_id": request_id, "body": body},
         "error": None,
+    }
+
+
+def _logprobs(choice) -> list[dict] | None:
+    return getattr(choice, "logprobs", None)
+
+
+def _chat_choice(index: int, choice) -> dict:
+    message = {"role": "assistant", "content": choice.text}
+    reasoning = getattr(choice, "reasoning", None)
+    if reasoning is not None:
+        message["reasoning_content"] = reasoning
+    entries = _logprobs(choice)
+    return {
+        "index": index,
+        "message": message,
+        "logprobs": None if entries is None else {"content": entries},
+        "finish_reason": choice.finish_reason,
+    }
+
+
+def completion_logprobs(entries: list[dict] | None) -> dict | None:
+    """The completions endpoint's legacy `logprobs` object from per-token entries (the
+    chat shape): {"tokens", "token_logprobs", "top_logprobs": [{token: logprob}],
+    "text_offset"}; text_offset counts characters of the choice's text from 0 (a token
+    that ends inside a character counts it once complete)."""
+    if entries is None:
+        return None
+    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+    offsets, at = [], 0
+    for e in entries:
+        offsets.append(at)
+        raw = e.get("bytes")
+        at += len(decoder.decode(bytes(raw))) if raw is not None else len(e["token"])
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [
+            {t["token"]: t["logprob"] for t in e.get("top_logprobs") or []} for e in entries
+        ],
+        "text_offset": offsets,
     }
 
 

@@ -500,7 +500,7 @@ def drop_results(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -
         usage, metrics = body.get("usage") or {}, body.get("metrics") or {}
         spec = metrics.get("speculative_decoding") or {}
         stats = counters_of_line(spec, int(usage.get("completion_tokens") or 0))
-        counters = result_counters(usage, stats, busy_ms=0)
+        counters = result_counters(usage, stats, busy_ms=0, choices=len(body["choices"]))
         pairs = [x for name, n in counters.items() if n for x in (name, int(n))]
         worker = (metrics.get("worker") or {}).get("name") or ""
         args += [key, worker, len(pairs) // 2, *pairs]
@@ -616,17 +616,26 @@ def remove_queued(conn: Redis, queue_key: str, batch_id: str) -> list[str]:
     return [s.decode() if isinstance(s, bytes) else s for s in out]
 
 
-def result_counters(usage: dict, stats: dict, busy_ms: int) -> dict[str, int]:
+def result_counters(usage: dict, stats: dict, busy_ms: int, choices: int = 1) -> dict[str, int]:
     """Counters of one successful request: its usage and busy time, then its
     speculative-decoding counters in their hash-field form (`contract.stats.to_fields`).
-    `stats` holds SpecStats' raw fields (`dataclasses.asdict(SpecStats)`)."""
-    return {
+    `stats` holds SpecStats' raw fields (`dataclasses.asdict(SpecStats)`). A line of
+    n > 1 choices also counts its extra choices (EXTRA_CHOICES_FIELD: spec-status adds them
+    to its lines), so a batch of single-choice lines keeps the fields it always had."""
+    counters = {
         "prompt_tokens": int(usage.get("prompt_tokens", 0)),
         "completion_tokens": int(usage.get("completion_tokens", 0)),
         "cached_prompt_tokens": cached_tokens(usage),
         "busy_ms": int(busy_ms),
         **to_fields(stats),
     }
+    if choices > 1:
+        counters[EXTRA_CHOICES_FIELD] = choices - 1
+    return counters
+
+
+#: Batch hash field: choices beyond the first of the completed lines (n - 1 each).
+EXTRA_CHOICES_FIELD = "extra_choices"
 
 
 def spec_summary(fields: dict[str, str]) -> dict:

@@ -148,6 +148,7 @@ def submit(
             batch_id,
             result_ttl,
             total_lines=spool.lines,
+            total_rows=spool.rows,
             changed=changed or "refuse",
         )
     click.echo(batch_id)
@@ -242,11 +243,13 @@ def status(batch_id, redis_url, as_json, watch):
     from reporting.progress import worker_text
 
     c, sd = state["request_counts"], state["speculative_decoding"]
+    choices = state["choices"]["completed"]
     eta = "-" if state["eta_seconds"] is None else f"{state['eta_seconds']:.0f} s"
     click.echo(f"batch {state['id']}: {state['status']}")
     click.echo(
         f"  requests: {c['total']} total, {c['queued']} queued, {c['running']} running, "
         f"{c['completed']} completed, {c['failed']} failed"
+        + (f" ({choices} choices)" if choices != c["completed"] else "")
     )
     click.echo(
         f"  tokens: {state['usage']['prompt_tokens']} prompt "

@@ -37,16 +37,18 @@ class Queued:
     timeout: int  # seconds the line may run (config.job_timeout_s)
     record: str  # the request record (JobLine.to_record) as JSON
     digest: str = ""  # request_digest of the record: what a re-submit compares
+    rows: int = 1  # the rows it takes in a batch: its choices (n)
 
     @classmethod
     def of(cls, job: JobLine, default_model: str) -> Queued:
         """A validated line; it runs on `default_model` if it names no model."""
-        timeout = config.job_timeout_s(job.params["max_tokens"], job.prompt_chars())
+        rows = int(job.params.get("n", 1))
+        timeout = config.job_timeout_s(job.params["max_tokens"], job.prompt_chars(), rows)
         key = line_key(job.custom_id, job.line)
         model = job.model or default_model
         record = job.to_record(model)
         digest = request_digest(record)
-        return cls(key, job.line, job.custom_id, model, timeout, dumps(record), digest)
+        return cls(key, job.line, job.custom_id, model, timeout, dumps(record), digest, rows)
 
     def stored(self, job: int) -> str:
         """The request record as stored in Redis: with its job's number and its timeout."""
@@ -84,6 +86,7 @@ class Spool:
         self._file = tempfile.TemporaryFile(prefix="spec-submit-")
         self.valid = 0
         self.invalid = 0
+        self.rows = 0  # rows of its lines: a valid line's choices (n), a rejected one 1
 
     def __enter__(self) -> Spool:
         return self
@@ -94,20 +97,22 @@ class Spool:
     def close(self) -> None:
         self._file.close()
 
-    # One line per entry. Queued: line number, timeout, model alias, digest, the line key
-    # as JSON and the record, tab-separated (an alias has no tab, JSON text no raw tab or
-    # newline); the custom_id is the key's. Rejected: a JSON list of its fields.
+    # One line per entry. Queued: line number, timeout, rows, model alias, digest, the line
+    # key as JSON and the record, tab-separated (an alias has no tab, JSON text no raw tab
+    # or newline); the custom_id is the key's. Rejected: a JSON list of its fields.
     def add(self, entry: Queued | Rejected) -> None:
         if isinstance(entry, Queued):
             key = dumps(entry.key)
             line = (
-                f"{entry.line}\t{entry.timeout}\t{entry.model}\t{entry.digest}\t{key}\t"
-                f"{entry.record}\n"
+                f"{entry.line}\t{entry.timeout}\t{entry.rows}\t{entry.model}\t{entry.digest}\t"
+                f"{key}\t{entry.record}\n"
             )
             self.valid += 1
+            self.rows += entry.rows
         else:
             line = dumps([entry.key, entry.line, entry.custom_id, entry.message]) + "\n"
             self.invalid += 1
+            self.rows += 1
         self._file.write(line.encode())
 
     def __iter__(self) -> Iterator[Queued | Rejected]:
@@ -118,9 +123,11 @@ class Spool:
             if text.startswith("["):
                 yield Rejected(*json.loads(text))
                 continue
-            number, timeout, model, digest, key, record = text.rstrip("\n").split("\t", 5)
+            number, timeout, rows, model, digest, key, record = text.rstrip("\n").split("\t", 6)
             key = json.loads(key)
-            yield Queued(key, int(number), custom_id_of(key), model, int(timeout), record, digest)
+            yield Queued(
+                key, int(number), custom_id_of(key), model, int(timeout), record, digest, int(rows)
+            )
 
     @property
     def lines(self) -> int:

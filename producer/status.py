@@ -119,6 +119,8 @@ def status(conn: Redis, keys: Keys, batch_id: str) -> dict:
             "completed": completed,
             "failed": failed,
         },
+        # Choices of the completed lines (a line of n > 1 choices counts n).
+        "choices": {"completed": completed + int(meta.get(store.EXTRA_CHOICES_FIELD, 0))},
         "usage": {
             "prompt_tokens": int(meta.get("prompt_tokens", 0)),
             "completion_tokens": completion_tokens,

@@ -108,6 +108,7 @@ def enqueue_file(
     result_ttl: int | None = None,
     total_lines: int | None = None,
     changed: str = "refuse",
+    total_rows: int | None = None,
 ) -> SubmitReport:
     """Second pass: enqueue the valid lines of a validated file (a producer.spool.Spool,
     or any iterable of its entries) and store the rejected ones as `invalid_request`
@@ -115,7 +116,8 @@ def enqueue_file(
 
     result_ttl: seconds every key of the batch lives after its last write (0: until
     `spec-collect --delete`; None: as SPEC_RESULT_TTL_S says, else as before).
-    total_lines: the file's line count from the first pass (it sets the lines per job).
+    total_lines: the file's line count from the first pass; total_rows: its rows (each
+    line's choices; Spool.rows), which set the rows per job (else total_lines does).
     changed: what to do with lines already answered, queued or running under their
     custom_id whose request is different now (CHANGED_CHOICES); "refuse" raises
     ChangedLines before anything is written, and so does "rerun" for such lines still
@@ -126,7 +128,16 @@ def enqueue_file(
     try:
         with SubmitLock(conn, keys.submit_lock(batch_id), batch_id) as lock:
             _enqueue_file(
-                conn, keys, lines, source, batch_id, result_ttl, report, lock, total_lines, changed
+                conn,
+                keys,
+                lines,
+                source,
+                batch_id,
+                result_ttl,
+                report,
+                lock,
+                total_rows or total_lines,
+                changed,
             )
     except OutOfMemoryError as exc:
         raise RedisFull(batch_id, report.lines, total_lines) from exc
@@ -196,7 +207,7 @@ class SubmitLock:
 
 
 def _enqueue_file(
-    conn, keys, lines, source, batch_id, result_ttl, report, lock, total_lines, changed
+    conn, keys, lines, source, batch_id, result_ttl, report, lock, total_rows, changed
 ) -> None:
     meta = keys.batch(batch_id)
     created = time.time()
@@ -215,7 +226,7 @@ def _enqueue_file(
         pipe.zadd(keys.batches, {batch_id: created}, nx=True)
         pipe.execute()
     ttl = int(conn.hget(meta, "result_ttl") or 0)  # this submission's, or an earlier one's
-    per_job = config.job_lines(total_lines or 0)
+    per_job = config.job_lines(total_rows or 0)
     per_transaction = per_job * max(1, config.CHUNK_LINES // per_job)  # whole jobs
     plan = QueuePlan(conn, keys, batch_id, {}, ttl, per_job, fresh=not earlier, changed=changed)
     try:
@@ -326,7 +337,7 @@ class QueuePlan:
     batch_id: str
     queues: dict[str, Queue]
     ttl: int
-    per_job: int  # lines per RQ job
+    per_job: int  # rows (choices) per RQ job
     #: The batch had no line in Redis before: every line is new (no look needed).
     fresh: bool = False
     #: What to do with known lines whose request changed (CHANGED_CHOICES).
@@ -407,14 +418,13 @@ def _enqueue_chunk(plan: QueuePlan, chunk: list[Queued | Rejected], total: Submi
 
 def queue_lines(plan: QueuePlan, runs: dict[str, list[Queued]], pipe) -> None:
     """Add to `pipe` (a MULTI/EXEC pipeline) the writes that queue these lines (alias ->
-    lines): jobs of `plan.per_job` lines, each line's request record naming its job, and
-    the removal of the lines' earlier RQ jobs. Job numbers are taken from the batch's
-    counter at once: if the transaction fails they are never used."""
+    lines): jobs of up to `plan.per_job` rows (a line's rows are its choices; a line of
+    more is a job alone), each line's request record naming its job, and the removal of
+    the lines' earlier RQ jobs. Job numbers are taken from the batch's counter at once:
+    if the transaction fails they are never used."""
     conn, keys, batch_id = plan.conn, plan.keys, plan.batch_id
     groups = [
-        (alias, lines[i : i + plan.per_job])
-        for alias, lines in runs.items()
-        for i in range(0, len(lines), plan.per_job)
+        (alias, group) for alias, lines in runs.items() for group in _jobs(lines, plan.per_job)
     ]
     if not groups:
         return
@@ -439,6 +449,20 @@ def queue_lines(plan: QueuePlan, runs: dict[str, list[Queued]], pipe) -> None:
     pipe.hdel(keys.batch(batch_id), "completed_at", "cancelled")
     for alias, alias_datas in datas.items():
         plan.queue(alias).enqueue_many(alias_datas, pipeline=pipe)
+
+
+def _jobs(lines: list[Queued], rows: int) -> Iterator[list[Queued]]:
+    """Consecutive lines grouped into jobs of at most `rows` rows (at least one line)."""
+    job: list[Queued] = []
+    taken = 0
+    for entry in lines:
+        if job and taken + entry.rows > rows:
+            yield job
+            job, taken = [], 0
+        job.append(entry)
+        taken += entry.rows
+    if job:
+        yield job
 
 
 def _stale_jobs(conn, keys, batch_id, runs: dict[str, list[Queued]]) -> dict[str, str]:

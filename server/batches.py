@@ -341,7 +341,13 @@ class BatchService:
                 return None
             try:
                 enqueue_file(
-                    self.conn, self.keys, spool, filename, batch_id, total_lines=spool.lines
+                    self.conn,
+                    self.keys,
+                    spool,
+                    filename,
+                    batch_id,
+                    total_lines=spool.lines,
+                    total_rows=spool.rows,
                 )
             except SubmitError as exc:
                 return self._fail(batch_id, [_error(None, None, str(exc), "server_error")])

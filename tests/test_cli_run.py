@@ -26,7 +26,7 @@ def test_invalid_file_runs_nothing(tmp_path):
         tmp_path / "jobs.jsonl",
         [
             {"custom_id": "a", "prompt": "x", "max_tokens": 2},
-            {"custom_id": "a", "prompt": "y", "n": 2},
+            {"custom_id": "a", "prompt": "y", "n": 129},
         ],
     )
     out = tmp_path / "out.jsonl"
@@ -34,7 +34,7 @@ def test_invalid_file_runs_nothing(tmp_path):
     assert result.returncode == 1
     assert result.stderr.splitlines()[-3:] == [
         f'{jobs}:2: custom_id: duplicate "a", first used on line 1',
-        f"{jobs}:2: n: not supported: only n=1 is supported (one choice per line), got 2",
+        f"{jobs}:2: n: must be in [1, 128], got 129",
         f"spec-run: error: {jobs}: 1 invalid line(s), 1 valid: nothing was run "
         "(fix them, or pass --skip-invalid to run the valid lines)",
     ]

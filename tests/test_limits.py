@@ -17,6 +17,11 @@ def test_request_bounds_in_words():
         "top_p": "must be in (0, 1]",
         "top_k": "must be >= 0",
         "min_p": "must be in [0, 1)",
+        "n": "must be in [1, 128]",
+        "top_logprobs": "must be in [0, 20]",
+        "frequency_penalty": "must be in [-2, 2]",
+        "presence_penalty": "must be in [-2, 2]",
+        "repetition_penalty": "must be > 0",
     }
 
 
@@ -28,12 +33,19 @@ def test_request_bounds_in_words():
         ("top_p", [1e-9, 1], [0, 1.01]),
         ("top_k", [0, 50], [-1]),
         ("min_p", [0, 0.99], [1, -0.1]),
+        ("n", [1, 128], [0, 129]),
+        ("top_logprobs", [0, 20], [-1, 21]),
+        ("frequency_penalty", [-2, 0.5, 2], [-2.01, 3]),
+        ("presence_penalty", [-2, 2], [2.5]),
+        ("repetition_penalty", [0.01, 1.3], [0, -1]),
     ],
 )
 def test_job_file_and_bounds_accept_the_same_values(name, inside, outside):
     bound = limits.REQUEST_BOUNDS[name]
     for value, ok in [(v, True) for v in inside] + [(v, False) for v in outside]:
-        raw = f'{{"custom_id": "a", "prompt": "hi", "{name}": {value}}}'.encode()
+        # top_logprobs is a chat field and needs logprobs on.
+        line = '"messages": [{"role": "user", "content": "hi"}], "logprobs": true'
+        raw = f'{{"custom_id": "a", {line}, "{name}": {value}}}'.encode()
         (item,) = parse_line(1, raw)[:1]
         assert bound.contains(value) is ok, (name, value)
         assert (getattr(item, "field", None) is None) is ok, (name, value, item)

@@ -39,7 +39,7 @@ from jobstore.jobfile import JobLine
 from jobstore.keys import Keys, custom_id_of
 from jobstore.lines import dumps, error_line
 from worker.audit import Auditor
-from worker.execute import Outcome, context_overflow, failure
+from worker.execute import Outcome, context_overflow, failure, unusable_constraint
 from worker.storing import LineStore
 
 log = logging.getLogger("specfleet.worker")
@@ -173,7 +173,7 @@ def settle(ctx: WorkerContext, batch_id: str, line: PendingLine, cancelled: bool
             "model_not_served",
             f"model {request.model!r} reached a worker serving {ctx.alias!r}; it was not run",
         )
-    return context_overflow(ctx.pair, batch_id, request)
+    return unusable_constraint(batch_id, request) or context_overflow(ctx.pair, batch_id, request)
 
 
 def _unreadable(
