@@ -1,0 +1,89 @@
+"""Review cases of the logits pipeline under speculation: where a constraint, a
+penalty or logprobs meet a draft in a way the main tests (test_constraints.py) do not
+reach."""
+
+from __future__ import annotations
+
+import llguidance
+import mlx.core as mx
+import numpy as np
+import pytest
+from scipy.stats import chisquare as pearson
+
+from contract import constraints
+from engine import processors, sampling
+from engine.batch import BatchDecoder
+
+V6 = ["<e>", "a", "b", "c", "d", "e"]
+
+
+@pytest.fixture(scope="module")
+def v6(tmp_path_factory):
+    from test_engine_sampling import small_vocab_pair
+    from tokenizers import Tokenizer, decoders, models
+
+    pair = small_vocab_pair.__wrapped__(tmp_path_factory)
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(V6)}, merges=[]))
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<e>"])
+    lltok = llguidance.LLTokenizer(tok.to_str(), n_vocab=6, eos_token=0)
+    executor = llguidance.LLExecutor()
+    pair._grammars = type("G", (), {"executor": executor})()
+    return pair, lltok
+
+
+def _matcher(lltok, pattern: str) -> llguidance.LLMatcher:
+    m = llguidance.LLMatcher(
+        lltok, constraints.grammar({"type": "regex", "pattern": pattern}), log_level=0
+    )
+    assert not m.is_error(), m.get_error()
+    return m
+
+
+def _first_tokens(pair, lltok, pattern, prompt, params, n, k=1) -> np.ndarray:
+    """Counts of the first token over n seeds, every row drafting k tokens by the model."""
+    batch = BatchDecoder(pair)
+    counts = np.zeros(6, np.int64)
+    for start in range(0, n, 50):
+        keys = range(start, min(n, start + 50))
+        for s in keys:
+            row = processors.RowLogits(vocab=6, eos=(0,), matcher=_matcher(lltok, pattern))
+            batch.add(
+                s, prompt, params, seed=s, drafter="model", num_draft_tokens=k,
+                max_tokens=k + 1, logits=row,
+            )  # fmt: skip
+        for s, step in batch.step().items():
+            counts[step.tokens[0]] += 1
+            batch.remove(s)
+    return counts
+
+
+def test_a_sampled_draft_the_grammar_refuses_still_leaves_the_target_law(v6):
+    """A model draft is drawn from q; cutting it at a refused token and sampling that
+    position from p instead of the residual (p - q)+ skews the law (here p(a) 0.40 ->
+    0.60: the draft model puts most of its mass on tokens the grammar forbids)."""
+    pair, lltok = v6
+    prompt, params = [5, 2], sampling.SamplingParams(temperature=2.0)
+    raw = np.array(pair.target(mx.array([prompt]))[0, -1])
+    raw[[0, 2, 4, 5]] = -np.inf  # the grammar "[ac]" allows a and c first
+    p = np.array(sampling.probs(mx.array(raw), params), dtype=np.float64)
+    q = np.array(sampling.probs(pair.draft(mx.array([prompt]))[0, -1], params))
+    assert q[[0, 2, 4, 5]].sum() > 0.3  # the draft often proposes a refused token
+    counts = _first_tokens(pair, lltok, "[ac]", prompt, params, 600)
+    assert counts[[0, 2, 4, 5]].sum() == 0
+    keep = p > 0
+    expected = p[keep] / p[keep].sum() * counts.sum()
+    assert pearson(counts[keep], expected).pvalue > 1e-6, (counts, p)
+
+
+def test_a_refused_token_after_the_think_end_leaves_the_grammar_usable(v6):
+    """The masks of a thinking row walk the drafts after its think-end token; a token the
+    grammar refuses there (a drawn draft keeps it) must not put the matcher in error."""
+    _, lltok = v6
+    row = processors.RowLogits(vocab=6, eos=(0,), matcher=_matcher(lltok, "[ac]"), gate=4)
+    drafts = [1, 4, 2, 5]  # thinking "a", the think-end "d", then "b": refused
+    allowed = processors._masks([row], [drafts], 5, 6, llguidance.LLExecutor())[0]
+    assert allowed[:2].all() and allowed[2].tolist() == [False, True, False, True, False, False]
+    assert not row.matcher.is_error()
+    row.commit([1, 4, 3])  # the think-end, then "c": the grammar takes it
+    assert row.matcher.is_accepting()
