@@ -220,22 +220,51 @@ def closed(schema):
     `properties` and says nothing of other keys, as OpenAI's strict mode requires and
     vLLM's default grammar backend assumes: a record gets the keys its schema names,
     not a weak model's inventions. Every output still validates against the schema as
-    given. The input is not changed."""
+    given. The input is not changed.
+
+    An object whose keys are spread over an intersection (`allOf` parts, `properties`
+    beside a `$ref`, `anyOf` or `oneOf`) is left open, its parts and the `$defs` they
+    refer to too: closing each part on its own keys would refuse the others' (a valid
+    schema that no longer compiles, or allows only {})."""
+    shared: set[str] = set()
+    while True:  # the $defs entries met as parts of an intersection, to a fixed point
+        found: set[str] = set()
+        out = _close(schema, "#" in shared, shared, found)
+        if found <= shared:
+            return out
+        shared |= found
+
+
+def _close(schema, part: bool, shared: set[str], found: set[str]):
+    # part: the schema is one part of an intersection (its keys are not all its object's).
     if isinstance(schema, list):
-        return [closed(s) for s in schema]
+        return [_close(s, part, shared, found) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    own = isinstance(out.get("properties"), dict)
+    parts = own + sum(k in out for k in ("$ref", "anyOf", "oneOf"))
+    parts += len(out["allOf"]) if isinstance(out.get("allOf"), list) else 0
+    part = part or parts > 1
+    if part and isinstance(out.get("$ref"), str):
+        found.add(out["$ref"])
     for k in _SCHEMA_MAPS:
         if isinstance(out.get(k), dict):
-            out[k] = {name: closed(s) for name, s in out[k].items()}
+            out[k] = {
+                name: _close(s, f"#/{k}/{_pointer(name)}" in shared, shared, found)
+                for name, s in out[k].items()
+            }
     for k in set(_SCHEMA_ONE) | set(_SCHEMA_LISTS):
         if isinstance(out.get(k), (dict, list)) and k not in _SCHEMA_MAPS:
-            out[k] = closed(out[k])
+            out[k] = _close(out[k], part and k in ("allOf", "anyOf", "oneOf"), shared, found)
     open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-    if isinstance(out.get("properties"), dict) and not any(k in out for k in open_keys):
+    if own and not part and not any(k in out for k in open_keys):
         out["additionalProperties"] = False
     return out
+
+
+def _pointer(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
 
 
 def _lark_regex(pattern: str) -> str:

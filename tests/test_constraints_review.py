@@ -87,3 +87,65 @@ def test_a_refused_token_after_the_think_end_leaves_the_grammar_usable(v6):
     assert not row.matcher.is_error()
     row.commit([1, 4, 3])  # the think-end, then "c": the grammar takes it
     assert row.matcher.is_accepting()
+
+
+# -- closing objects: OpenAI's strict mode, except where an object is spread over parts --
+
+INT = {"type": "integer"}
+BASE = {"type": "object", "properties": {"a": INT}, "required": ["a"]}
+#: Objects whose keys come from more than one schema (each a valid, satisfiable schema).
+SPREAD = {
+    "allOf": {"allOf": [BASE, {"properties": {"b": INT}, "required": ["b"]}]},
+    "$ref beside properties": {
+        "$defs": {"Base": BASE},
+        "$ref": "#/$defs/Base",
+        "properties": {"b": INT},
+        "required": ["b"],
+    },
+    "allOf of a $ref": {
+        "definitions": {"Base": BASE},
+        "allOf": [{"$ref": "#/definitions/Base"}, {"properties": {"b": INT}, "required": ["b"]}],
+    },
+    "anyOf beside properties": {
+        "type": "object",
+        "properties": {"b": INT},
+        "required": ["b"],
+        "anyOf": [BASE, {"properties": {"c": INT}, "required": ["c"]}],
+    },
+}
+
+
+@pytest.mark.parametrize("name", list(SPREAD))
+def test_an_object_spread_over_an_intersection_stays_compilable_and_open(name):
+    schema = SPREAD[name]
+    doc = {"a": 1, "b": 2}
+    import jsonschema
+
+    jsonschema.validate(doc, schema)
+    jsonschema.validate(doc, constraints.closed(schema))  # closing each part refused "b"
+    grammar = constraints.grammar({"type": "json_schema", "schema": schema})
+    assert not llguidance.LLMatcher.validate_grammar(grammar, None)
+
+
+def test_objects_that_are_whole_are_still_closed():
+    nested = {"type": "object", "properties": {"x": BASE}}
+    spread = {
+        "$defs": {"Base": BASE, "Other": BASE},
+        "type": "object",
+        "properties": {
+            "one": {"allOf": [{"$ref": "#/$defs/Other"}]},  # one part: no intersection
+            "two": SPREAD["$ref beside properties"] | {"$defs": None},
+        },
+    }
+    out = constraints.closed(nested)
+    assert out["additionalProperties"] is False
+    assert out["properties"]["x"]["additionalProperties"] is False
+    out = constraints.closed(spread)
+    assert out["additionalProperties"] is False
+    assert out["$defs"]["Other"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["$defs"]["Base"]  # a part of "two"
+    assert "additionalProperties" not in out["properties"]["two"]
+    assert (
+        nested == {"type": "object", "properties": {"x": BASE}}
+        and "additionalProperties" not in BASE
+    )
