@@ -268,8 +268,22 @@ def _pointer(name: str) -> str:
 
 
 def _lark_regex(pattern: str) -> str:
-    # As llguidance's grammar_from_regex: the regex as one Lark terminal, slashes escaped.
-    return "start: /" + pattern.replace("/", "\\/") + "/"
+    # As llguidance's grammar_from_regex (its regex_to_lark): the regex as one Lark
+    # terminal, "/" escaped whether or not it was ("\/" is a valid regex), whitespace
+    # written as escapes.
+    out, escaped = [], False
+    for c in pattern:
+        prev, escaped = escaped, False
+        if c == "/" or c in _LARK_WHITESPACE:
+            out.append(_LARK_WHITESPACE.get(c, "\\/"))
+        elif c == "\\" and not prev:
+            escaped = True
+        else:
+            out.append("\\" + c if prev else c)
+    return "start: /" + "".join(out) + "/"
+
+
+_LARK_WHITESPACE = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _grammars(entry: dict) -> str:

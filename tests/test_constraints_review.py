@@ -149,3 +149,25 @@ def test_objects_that_are_whole_are_still_closed():
         nested == {"type": "object", "properties": {"x": BASE}}
         and "additionalProperties" not in BASE
     )
+
+
+REGEXES = [
+    r"a/b",
+    r"a\/b",
+    r"\//",
+    "/\\//",
+    r"\\",
+    "a\nb\tc\rd",
+    r"\d+\.\w*",
+    r"[/]x",
+    "é{2}",
+    r'"q"',
+]
+
+
+def test_a_regex_becomes_the_grammar_llguidance_builds_for_it():
+    # An escaped slash ("\/", usual in regexes written for JavaScript) did not compile.
+    for pattern in REGEXES:
+        mine = constraints.grammar({"type": "regex", "pattern": pattern})
+        assert mine == llguidance.LLMatcher.grammar_from_regex(pattern), pattern
+        assert not llguidance.LLMatcher.validate_grammar(mine, None), pattern
