@@ -138,6 +138,8 @@ def _kind(field: str, kind: str, value: Any, flexible: bool) -> dict:
                 raise ConstraintError(field, f"not valid JSON: {exc}") from exc
         if not isinstance(value, (dict, bool)):
             raise ConstraintError(field, f"must be a JSON schema object, got {_show(value)}")
+        if isinstance(value, dict):
+            _guidance(field, value)
         return {"type": "json_schema", "schema": value, "whitespace_flexible": flexible}
     if kind == "regex":
         if not isinstance(value, str) or not value:
@@ -160,6 +162,14 @@ def _kind(field: str, kind: str, value: Any, flexible: bool) -> dict:
     raise ConstraintError(field, f"unknown constraint kind {kind!r}")  # pragma: no cover
 
 
+def _guidance(field: str, schema: dict) -> dict:
+    # The schema's own llguidance options (its "x-guidance" object), to which ours are added.
+    options = schema.get("x-guidance", {})
+    if not isinstance(options, dict):
+        raise ConstraintError(f"{field}.x-guidance", f"must be an object, got {_show(options)}")
+    return options
+
+
 def _flag(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConstraintError(field, f"must be true or false, got {_show(value)}")
@@ -174,7 +184,7 @@ def grammar(constraint: dict) -> str:
         schema = closed(constraint["schema"])
         options = {"whitespace_flexible": bool(constraint.get("whitespace_flexible", False))}
         if isinstance(schema, dict):
-            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
+            schema = {**schema, "x-guidance": {**_guidance("schema", schema), **options}}
         else:  # true / false: a schema with no room for options
             schema = {"anyOf": [schema], "x-guidance": options} if schema else False
         return _grammars({"name": "json_schema", "json_schema": schema, "lark_grammar": None})

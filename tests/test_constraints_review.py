@@ -171,3 +171,32 @@ def test_a_regex_becomes_the_grammar_llguidance_builds_for_it():
         mine = constraints.grammar({"type": "regex", "pattern": pattern})
         assert mine == llguidance.LLMatcher.grammar_from_regex(pattern), pattern
         assert not llguidance.LLMatcher.validate_grammar(mine, None), pattern
+
+
+# -- malformed constraints: the row is refused, the batch goes on --------------------------
+
+
+def test_a_malformed_constraint_is_a_request_error_and_its_batch_goes_on(tmp_path):
+    from tiny_models import tiny_pair
+
+    import engine
+    from engine import GenerationRequest
+
+    pair = tiny_pair(tmp_path)
+    bad = {"type": "object", "x-guidance": 5}
+    with pytest.raises(constraints.ConstraintError, match=r"guided_json\.x-guidance: must be"):
+        constraints.normalise({"guided_json": bad})
+    requests = [
+        GenerationRequest(prompt="x", max_tokens=3, constraint=c)
+        for c in (
+            {"type": "json_schema", "schema": bad},
+            {"type": "regex"},
+            None,
+            {"type": "ebnf", "grammar": "x"},
+        )
+    ]
+    out = dict(engine.generate_many(pair, requests))
+    assert isinstance(out[0], engine.InvalidRequestError) and "x-guidance" in str(out[0])
+    assert isinstance(out[1], engine.InvalidRequestError) and "pattern" in str(out[1])
+    assert isinstance(out[3], engine.InvalidRequestError) and "ebnf" in str(out[3])
+    assert len(out[2].token_ids) == 3
