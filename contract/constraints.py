@@ -232,10 +232,11 @@ def closed(schema):
     not a weak model's inventions. Every output still validates against the schema as
     given. The input is not changed.
 
-    An object whose keys are spread over an intersection (`allOf` parts, `properties`
-    beside a `$ref`, `anyOf` or `oneOf`) is left open, its parts and the `$defs` they
-    refer to too: closing each part on its own keys would refuse the others' (a valid
-    schema that no longer compiles, or allows only {})."""
+    Left open: an object that requires a key its `properties` do not list, and an object
+    whose keys are spread over an intersection (`allOf` parts, `properties` beside a
+    `$ref`, `anyOf` or `oneOf`), its parts and the `$defs` they refer to too. Closing
+    them on their own keys would refuse the others (a valid schema that no longer
+    compiles, or allows only {})."""
     shared: set[str] = set()
     while True:  # the $defs entries met as parts of an intersection, to a fixed point
         found: set[str] = set()
@@ -268,7 +269,9 @@ def _close(schema, part: bool, shared: set[str], found: set[str]):
         if isinstance(out.get(k), (dict, list)) and k not in _SCHEMA_MAPS:
             out[k] = _close(out[k], part and k in ("allOf", "anyOf", "oneOf"), shared, found)
     open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-    if own and not part and not any(k in out for k in open_keys):
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    beyond = own and any(k not in out["properties"] for k in required if isinstance(k, str))
+    if own and not part and not beyond and not any(k in out for k in open_keys):
         out["additionalProperties"] = False
     return out
 
