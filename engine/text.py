@@ -95,7 +95,12 @@ def _template_kwargs(pair, kwargs: dict | None) -> dict:
     import jinja2
     from jinja2 import meta
 
-    known = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    # As transformers renders it: {% break %} and {% continue %} on.
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        known = meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateSyntaxError:  # a tag of another extension: the tokenizer judges
+        return dict(kwargs)
     for name in kwargs:
         if name not in known:
             raise InvalidRequestError(

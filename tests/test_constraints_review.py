@@ -201,3 +201,27 @@ def test_a_malformed_constraint_is_a_request_error_and_its_batch_goes_on(tmp_pat
     assert isinstance(out[1], engine.InvalidRequestError) and "pattern" in str(out[1])
     assert isinstance(out[3], engine.InvalidRequestError) and "ebnf" in str(out[3])
     assert len(out[2].token_ids) == 3
+
+
+# -- chat_template_kwargs against templates with Jinja extensions ---------------------------
+
+
+def test_chat_template_kwargs_are_checked_in_templates_that_break_out_of_loops():
+    from types import SimpleNamespace
+
+    from engine import InvalidRequestError
+    from engine.text import _template_kwargs
+
+    def pair(template):
+        return SimpleNamespace(name="t", tokenizer=SimpleNamespace(chat_template=template))
+
+    loops = (
+        "{% for m in messages %}{% if loop.index > 4 %}{% break %}{% endif %}{{ m }}"
+        "{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+    )
+    assert _template_kwargs(pair(loops), {"enable_thinking": False}) == {"enable_thinking": False}
+    with pytest.raises(InvalidRequestError, match="enable_thinkin: not a variable"):
+        _template_kwargs(pair(loops), {"enable_thinkin": False})
+    # A tag of an extension the check does not know: the tokenizer renders it as it can.
+    tracked = "{% for m in messages %}{% generation %}{{ m }}{% endgeneration %}{% endfor %}"
+    assert _template_kwargs(pair(tracked), {"x": 1}) == {"x": 1}
