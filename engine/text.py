@@ -186,6 +186,16 @@ def _row_logits(
     )
 
 
+def _token_bytes(pair) -> Callable[[list[int]], bytes] | None:
+    """A token's own bytes, as logprobs report them: a piece of a character (one byte of
+    "é") has no text of its own, and its text's bytes would be U+FFFD's. None where the
+    target has no fast tokenizer (then the bytes of the token's text)."""
+    try:
+        return grammars(pair).tokenizer.decode_bytes
+    except InvalidRequestError:
+        return None
+
+
 def count_prompt_tokens(pair, request: GenerationRequest) -> int:
     """How many target tokens the request's prompt takes."""
     return len(prompt_ids(pair, request))
@@ -238,6 +248,7 @@ class RequestRun:
         self.logits = _row_logits(pair, request, self.ids, marks[1] if self.thinking else None)
         self.tokenizer = pair.tokenizer
         self.logprobs: list | None = [] if request.logprobs else None
+        self.token_bytes = _token_bytes(pair) if request.logprobs else None
         self.stops = request.stop_strings()
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.eos = pair.tokenizer.eos_token_ids
@@ -370,8 +381,11 @@ class RequestRun:
             return None
 
         def entry(token: int, logprob: float) -> dict:
-            text = self.tokenizer.decode([token])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            raw = self.token_bytes([token]) if self.token_bytes is not None else None
+            if raw is None:
+                raw = self.tokenizer.decode([token]).encode("utf-8")
+            text = raw.decode("utf-8", errors="replace")
+            return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
         return [
             {**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in top]}

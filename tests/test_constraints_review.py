@@ -225,3 +225,27 @@ def test_chat_template_kwargs_are_checked_in_templates_that_break_out_of_loops()
     # A tag of an extension the check does not know: the tokenizer renders it as it can.
     tracked = "{% for m in messages %}{% generation %}{{ m }}{% endgeneration %}{% endfor %}"
     assert _template_kwargs(pair(tracked), {"x": 1}) == {"x": 1}
+
+
+# -- logprobs: a token's own bytes ------------------------------------------------------------
+
+
+def test_logprobs_bytes_are_the_tokens_own_so_pieces_of_a_character_join_up(tmp_path):
+    from tiny_models import tiny_pair
+
+    import engine
+    from engine import GenerationRequest
+
+    pair = tiny_pair(tmp_path)
+    assert len(pair.tokenizer.encode("é", add_special_tokens=False)) == 2  # a byte a token
+    req = GenerationRequest(
+        prompt="x",
+        max_tokens=4,
+        logprobs=True,
+        top_logprobs=2,
+        constraint={"type": "regex", "pattern": "é"},
+    )
+    res = engine.generate(pair, req)
+    assert res.text == "é" and len(res.logprobs) == 2
+    assert bytes(b for e in res.logprobs for b in e["bytes"]) == "é".encode()
+    assert [e["bytes"] for e in res.logprobs] == [[0xC3], [0xA9]]
