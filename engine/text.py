@@ -13,6 +13,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
+import jinja2
+from jinja2 import meta
+
 from contract.defaults import choice_seed
 from contract.limits import DRAFTERS, LOGIT_BIAS_MAX, MAX_DRAFT_TOKENS, REQUEST_BOUNDS
 
@@ -71,9 +74,15 @@ def prompt_ids(pair, request: GenerationRequest) -> list[int]:
                 f"messages: the target {pair.name} has no chat template; send a prompt instead"
             )
         kwargs = _template_kwargs(pair, request.chat_template_kwargs)
-        return list(
-            tok.apply_chat_template(list(request.messages), add_generation_prompt=True, **kwargs)
-        )
+        try:
+            ids = tok.apply_chat_template(
+                list(request.messages), add_generation_prompt=True, **kwargs
+            )
+        except jinja2.TemplateError as exc:  # e.g. its raise_exception("roles must alternate")
+            raise InvalidRequestError(
+                f"messages: the chat template of {pair.name} refuses them: {exc}"
+            ) from None
+        return list(ids)
     bos = getattr(tok, "bos_token", None)
     return list(
         tok.encode(
@@ -87,14 +96,14 @@ def _template_kwargs(pair, kwargs: dict | None) -> dict:
     reads (a misspelt one would otherwise change nothing, silently)."""
     if not kwargs:
         return {}
+    for name in ("messages", "add_generation_prompt"):
+        if name in kwargs:
+            raise InvalidRequestError(f"chat_template_kwargs.{name}: the engine sets it")
     template = getattr(pair.tokenizer, "chat_template", None)
     if not isinstance(template, str):
         raise InvalidRequestError(
             f"chat_template_kwargs: the chat template of {pair.name} takes no variables"
         )
-    import jinja2
-    from jinja2 import meta
-
     # As transformers renders it: {% break %} and {% continue %} on.
     env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
     try:

@@ -249,3 +249,37 @@ def test_logprobs_bytes_are_the_tokens_own_so_pieces_of_a_character_join_up(tmp_
     assert res.text == "é" and len(res.logprobs) == 2
     assert bytes(b for e in res.logprobs for b in e["bytes"]) == "é".encode()
     assert [e["bytes"] for e in res.logprobs] == [[0xC3], [0xA9]]
+
+
+def test_messages_a_template_refuses_and_kwargs_the_engine_sets_are_request_errors(tmp_path):
+    import json
+
+    from tiny_models import tiny_pair
+
+    import engine
+    from engine import GenerationRequest
+
+    pair = tiny_pair(tmp_path)
+    config = json.loads((tmp_path / "tok" / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('roles must alternate user/assistant') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
+    )
+    (tmp_path / "target" / "tokenizer_config.json").write_text(json.dumps(config))
+    pair = engine.load_pair(tmp_path / "target", tmp_path / "draft", calibrate=False)
+    user = {"role": "user", "content": "hi"}
+    requests = [
+        GenerationRequest(messages=[user, user], max_tokens=2),
+        GenerationRequest(messages=[user], max_tokens=2, chat_template_kwargs={"messages": []}),
+        GenerationRequest(
+            messages=[user], max_tokens=2, chat_template_kwargs={"add_generation_prompt": False}
+        ),
+        GenerationRequest(messages=[user], max_tokens=2),
+    ]
+    out = dict(engine.generate_many(pair, requests))
+    assert "roles must alternate" in str(out[0]) and str(out[0]).startswith("messages:")
+    assert "chat_template_kwargs.messages: the engine sets it" in str(out[1])
+    assert "chat_template_kwargs.add_generation_prompt: the engine sets it" in str(out[2])
+    assert all(isinstance(out[i], engine.InvalidRequestError) for i in (0, 1, 2))
+    assert len(out[3].token_ids) == 2
