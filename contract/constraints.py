@@ -151,6 +151,8 @@ def _kind(field: str, kind: str, value: Any, flexible: bool) -> dict:
                 raise ConstraintError(field, f"not valid JSON: {exc}") from exc
         if not isinstance(value, (dict, bool)):
             raise ConstraintError(field, f"must be a JSON schema object, got {_show(value)}")
+        if isinstance(value, dict):
+            _guidance(field, value)
         return {"type": "json_schema", "schema": value, "whitespace_flexible": flexible}
     if kind == "regex":
         if not isinstance(value, str) or not value:
@@ -173,6 +175,14 @@ def _kind(field: str, kind: str, value: Any, flexible: bool) -> dict:
     raise ConstraintError(field, f"unknown constraint kind {kind!r}")  # pragma: no cover
 
 
+def _guidance(field: str, schema: dict) -> dict:
+    # The schema's own llguidance options (its "x-guidance" object), to which ours are added.
+    options = schema.get("x-guidance", {})
+    if not isinstance(options, dict):
+        raise ConstraintError(f"{field}.x-guidance", f"must be an object, got {_show(options)}")
+    return options
+
+
 def _flag(field: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConstraintError(field, f"must be true or false, got {_show(value)}")
@@ -187,7 +197,7 @@ def grammar(constraint: dict) -> str:
         schema = closed(constraint["schema"])
         options = {"whitespace_flexible": bool(constraint.get("whitespace_flexible", False))}
         if isinstance(schema, dict):
-            schema = {**schema, "x-guidance": {**schema.get("x-guidance", {}), **options}}
+            schema = {**schema, "x-guidance": {**_guidance("schema", schema), **options}}
         else:  # true / false: a schema with no room for options
             schema = {"anyOf": [schema], "x-guidance": options} if schema else False
         return _grammars({"name": "json_schema", "json_schema": schema, "lark_grammar": None})
@@ -233,41 +243,73 @@ def closed(schema):
     `properties` and says nothing of other keys, as OpenAI's strict mode requires and
     vLLM's default grammar backend assumes: a record gets the keys its schema names,
     not a weak model's inventions. Every output still validates against the schema as
-    given. The input is not changed."""
+    given. The input is not changed.
+
+    Left open: an object that requires a key its `properties` do not list, and an object
+    whose keys are spread over an intersection (`allOf` parts, `properties` beside a
+    `$ref`, `anyOf` or `oneOf`), its parts and the `$defs` they refer to too. Closing
+    them on their own keys would refuse the others (a valid schema that no longer
+    compiles, or allows only {})."""
+    shared: set[str] = set()
+    while True:  # the $defs entries met as parts of an intersection, to a fixed point
+        found: set[str] = set()
+        out = _close(schema, "#" in shared, shared, found)
+        if found <= shared:
+            return out
+        shared |= found
+
+
+def _close(schema, part: bool, shared: set[str], found: set[str]):
+    # part: the schema is one part of an intersection (its keys are not all its object's).
     if isinstance(schema, list):
-        return [closed(s) for s in schema]
+        return [_close(s, part, shared, found) for s in schema]
     if not isinstance(schema, dict):
         return schema
     out = dict(schema)
+    own = isinstance(out.get("properties"), dict)
+    parts = own + sum(k in out for k in ("$ref", "anyOf", "oneOf"))
+    parts += len(out["allOf"]) if isinstance(out.get("allOf"), list) else 0
+    part = part or parts > 1
+    if part and isinstance(out.get("$ref"), str):
+        found.add(out["$ref"])
     for k in _SCHEMA_MAPS:
         if isinstance(out.get(k), dict):
-            out[k] = {name: closed(s) for name, s in out[k].items()}
+            out[k] = {
+                name: _close(s, f"#/{k}/{_pointer(name)}" in shared, shared, found)
+                for name, s in out[k].items()
+            }
     for k in set(_SCHEMA_ONE) | set(_SCHEMA_LISTS):
         if isinstance(out.get(k), (dict, list)) and k not in _SCHEMA_MAPS:
-            out[k] = closed(out[k])
+            out[k] = _close(out[k], part and k in ("allOf", "anyOf", "oneOf"), shared, found)
     open_keys = ("additionalProperties", "patternProperties", "unevaluatedProperties")
-    if isinstance(out.get("properties"), dict) and not any(k in out for k in open_keys):
+    required = out.get("required") if isinstance(out.get("required"), list) else []
+    beyond = own and any(k not in out["properties"] for k in required if isinstance(k, str))
+    if own and not part and not beyond and not any(k in out for k in open_keys):
         out["additionalProperties"] = False
     return out
 
 
+def _pointer(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
 def _lark_regex(pattern: str) -> str:
-    """The regex as one Lark terminal, as llguidance's `regex_to_lark` writes it: a bare
-    "/" escaped (an escaped one, `\\/`, kept as it is), line breaks and tabs as escapes,
-    every other escape left alone."""
-    out, i = [], 0
-    while i < len(pattern):
-        ch = pattern[i]
-        if ch == "\\" and i + 1 < len(pattern):
-            out.append(pattern[i : i + 2])
-            i += 2
-            continue
-        out.append(_LARK_REGEX_ESCAPES.get(ch, ch))
-        i += 1
+    # As llguidance's grammar_from_regex (its regex_to_lark): the regex as one Lark
+    # terminal, "/" escaped whether or not it was ("\/" is a valid regex), whitespace
+    # written as escapes.
+    out, escaped = [], False
+    for c in pattern:
+        prev, escaped = escaped, False
+        if c == "/" or c in _LARK_WHITESPACE:
+            out.append(_LARK_WHITESPACE.get(c, "\\/"))
+        elif c == "\\" and not prev:
+            escaped = True
+        else:
+            out.append("\\" + c if prev else c)
     return "start: /" + "".join(out) + "/"
 
 
-_LARK_REGEX_ESCAPES = {"/": "\\/", "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_LARK_WHITESPACE = {"\n": "\\n", "\r": "\\r", "\t": "\\t"}
 
 
 def _grammars(entry: dict) -> str:

@@ -321,18 +321,18 @@ class BatchDecoder(Decoder):
 
     def _trim(self, drafts: list[list[int]], q: dict) -> None:
         """Cut every constrained row's draft at the first token its grammar refuses (and
-        the law it was drawn from with it)."""
+        the law it was drawn from with it). A draft drawn from a law q keeps that token:
+        its rejection is certain (p = 0 there), and the position must then draw from the
+        residual (p - q)+, not from p, or the row's law is skewed toward what q missed."""
         for i, row in enumerate(self.rows):
             if row.logits is None or row.logits.matcher is None or not drafts[i]:
                 continue
             kept = row.logits.trim(drafts[i])
             if len(kept) < len(drafts[i]):
-                drafts[i] = kept
                 if i in q:
-                    if kept:
-                        q[i] = q[i][: len(kept)]
-                    else:
-                        del q[i]
+                    kept = drafts[i][: len(kept) + 1]
+                    q[i] = q[i][: len(kept)]
+                drafts[i] = kept
 
     def _draft(self, choices: list[Choice]) -> tuple[list[list[int]], dict]:
         drafts = [list(c.tokens or []) if c.source in ("lookup", "forced") else [] for c in choices]

@@ -55,14 +55,20 @@ class Grammars:
     def matcher(self, constraint: dict) -> llguidance.LLMatcher:
         """A matcher at the start of `constraint`'s grammar. Raises InvalidRequestError
         naming the reason when the grammar does not compile for this tokenizer."""
-        key = constraints.key(constraint)
+        try:
+            key = constraints.key(constraint)
+            text = constraints.grammar(constraint) if key not in self._compiled else None
+        except constraints.ConstraintError as exc:
+            raise InvalidRequestError(f"constraint.{exc}") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise InvalidRequestError(
+                f"constraint: not a normalised constraint ({type(exc).__name__}: {exc})"
+            ) from None
         proto = self._compiled.get(key)
         if proto is None:
             # The submit-time check's limits, so what passed there compiles here.
             limits = llguidance.LLParserLimits(**constraints.PARSER_LIMITS)
-            proto = llguidance.LLMatcher(
-                self.tokenizer, constraints.grammar(constraint), log_level=0, limits=limits
-            )
+            proto = llguidance.LLMatcher(self.tokenizer, text, log_level=0, limits=limits)
             self.compiles += 1
             if proto.is_error():
                 raise InvalidRequestError(

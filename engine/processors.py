@@ -145,15 +145,13 @@ class RowLogits:
         head, tail = self._split(drafts)
         if head is None:
             return
-        start = len(head)
-        consumed = 0
-        for i in range(start, len(drafts) + 1):
-            fill_next_token_bitmask(self.matcher, bitmask, base + i)
-            if i < len(drafts):
-                if not self.matcher.consume_token(drafts[i]):
-                    break
-                consumed += 1
-        self.matcher.rollback(consumed)
+        # (A refused token is not consumed: a refusal leaves the matcher in error.)
+        valid = self.matcher.validate_tokens(tail)
+        for i in range(valid + 1):
+            fill_next_token_bitmask(self.matcher, bitmask, base + len(head) + i)
+            if i < valid:
+                self.matcher.consume_token(tail[i])
+        self.matcher.rollback(valid)
 
 
 def process(logits: mx.array, rows: list, drafts: list[list[int]], executor) -> mx.array:

@@ -13,6 +13,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import replace
 
+import jinja2
+from jinja2 import meta
+
 from contract.defaults import choice_seed
 from contract.limits import DRAFTERS, LOGIT_BIAS_MAX, MAX_DRAFT_TOKENS, REQUEST_BOUNDS
 
@@ -71,9 +74,15 @@ def prompt_ids(pair, request: GenerationRequest) -> list[int]:
                 f"messages: the target {pair.name} has no chat template; send a prompt instead"
             )
         kwargs = _template_kwargs(pair, request.chat_template_kwargs)
-        return list(
-            tok.apply_chat_template(list(request.messages), add_generation_prompt=True, **kwargs)
-        )
+        try:
+            ids = tok.apply_chat_template(
+                list(request.messages), add_generation_prompt=True, **kwargs
+            )
+        except jinja2.TemplateError as exc:  # e.g. its raise_exception("roles must alternate")
+            raise InvalidRequestError(
+                f"messages: the chat template of {pair.name} refuses them: {exc}"
+            ) from None
+        return list(ids)
     bos = getattr(tok, "bos_token", None)
     return list(
         tok.encode(
@@ -87,15 +96,20 @@ def _template_kwargs(pair, kwargs: dict | None) -> dict:
     reads (a misspelt one would otherwise change nothing, silently)."""
     if not kwargs:
         return {}
+    for name in ("messages", "add_generation_prompt"):
+        if name in kwargs:
+            raise InvalidRequestError(f"chat_template_kwargs.{name}: the engine sets it")
     template = getattr(pair.tokenizer, "chat_template", None)
     if not isinstance(template, str):
         raise InvalidRequestError(
             f"chat_template_kwargs: the chat template of {pair.name} takes no variables"
         )
-    import jinja2
-    from jinja2 import meta
-
-    known = meta.find_undeclared_variables(jinja2.Environment().parse(template))
+    # As transformers renders it: {% break %} and {% continue %} on.
+    env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        known = meta.find_undeclared_variables(env.parse(template))
+    except jinja2.TemplateSyntaxError:  # a tag of another extension: the tokenizer judges
+        return dict(kwargs)
     for name in kwargs:
         if name not in known:
             raise InvalidRequestError(
@@ -181,6 +195,16 @@ def _row_logits(
     )
 
 
+def _token_bytes(pair) -> Callable[[list[int]], bytes] | None:
+    """A token's own bytes, as logprobs report them: a piece of a character (one byte of
+    "é") has no text of its own, and its text's bytes would be U+FFFD's. None where the
+    target has no fast tokenizer (then the bytes of the token's text)."""
+    try:
+        return grammars(pair).tokenizer.decode_bytes
+    except InvalidRequestError:
+        return None
+
+
 def count_prompt_tokens(pair, request: GenerationRequest) -> int:
     """How many target tokens the request's prompt takes."""
     return len(prompt_ids(pair, request))
@@ -233,6 +257,7 @@ class RequestRun:
         self.logits = _row_logits(pair, request, self.ids, marks[1] if self.thinking else None)
         self.tokenizer = pair.tokenizer
         self.logprobs: list | None = [] if request.logprobs else None
+        self.token_bytes = _token_bytes(pair) if request.logprobs else None
         self.stops = request.stop_strings()
         self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.eos = pair.tokenizer.eos_token_ids
@@ -365,8 +390,11 @@ class RequestRun:
             return None
 
         def entry(token: int, logprob: float) -> dict:
-            text = self.tokenizer.decode([token])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+            raw = self.token_bytes([token]) if self.token_bytes is not None else None
+            if raw is None:
+                raw = self.tokenizer.decode([token]).encode("utf-8")
+            text = raw.decode("utf-8", errors="replace")
+            return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
         return [
             {**entry(tok, lp), "top_logprobs": [entry(t, v) for t, v in top]}
