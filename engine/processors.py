@@ -160,42 +160,44 @@ def process(logits: mx.array, rows: list, drafts: list[list[int]], executor) -> 
 
     logits: (R, W, V) the target's raw logits (position i of row r scores the token
     after its pending token and drafts[r][:i]); rows[r]: RowLogits or None; drafts:
-    each row's draft tokens (already `trim`med)."""
+    each row's draft tokens (already `trim`med).
+
+    The penalties of a row's state before the pass apply to every position as (r, 1, V)
+    arrays on the device; the few entries the pass's own drafts change (token d[j] at
+    the positions after j) are recomputed from their definition and written over them
+    (`_draft_entries`), so nothing of size W x V is built on the host."""
     idx = [r for r, p in enumerate(rows) if p is not None and p.transforms]
     if not idx:
         return logits
     _, width, vocab = logits.shape
     logits = logits.astype(mx.float32)
-    part = logits[mx.array(idx)]
+    every = len(idx) == logits.shape[0]  # (a dataset job's rows share their request)
+    rows_idx = mx.array(idx)
+    part = logits if every else logits[rows_idx]
     procs = [rows[r] for r in idx]
+    pass_drafts = [drafts[r] for r in idx]
     if any(p._bias is not None for p in procs):
         part = part + mx.array(np.stack([_or_zero(p._bias, vocab) for p in procs]))[:, None, :]
+    biased = part
     if any(p.seen is not None for p in procs):
-        seen = np.zeros((len(idx), width, vocab), bool)
-        rp = np.ones((len(idx), 1, 1), np.float32)
-        for j, (p, r) in enumerate(zip(procs, idx, strict=True)):
-            if p.seen is not None:
-                seen[j] = p.seen[:vocab]
-                _cumulate(seen[j], drafts[r], lambda s, t: s.__setitem__(t, True))
-                rp[j] = p.repetition
-        rp_m = mx.array(rp)
-        part = mx.where(mx.array(seen), mx.where(part > 0, part / rp_m, part * rp_m), part)
+        seen = mx.array(np.stack([_or_false(p.seen, vocab) for p in procs]))[:, None, :]
+        rp = mx.array([p.repetition for p in procs], dtype=mx.float32)[:, None, None]
+        part = mx.where(seen, mx.where(part > 0, part / rp, part * rp), part)
     if any(p.counts is not None for p in procs):
-        counts = np.zeros((len(idx), width, vocab), np.float32)
-        weights = np.zeros((len(idx), 2), np.float32)
-        for j, (p, r) in enumerate(zip(procs, idx, strict=True)):
-            if p.counts is not None:
-                counts[j] = p.counts[:vocab]
-                _cumulate(counts[j], drafts[r], lambda c, t: c.__setitem__(t, c[t] + 1))
-                weights[j] = (p.frequency, p.presence)
-        c = mx.array(counts)
-        w = mx.array(weights)
-        part = part - c * w[:, 0, None, None] - (c > 0).astype(mx.float32) * w[:, 1, None, None]
+        counts = mx.array(np.stack([_or_zero(p.counts, vocab) for p in procs]))[:, None, :]
+        w = mx.array([(p.frequency, p.presence) for p in procs], dtype=mx.float32)
+        part = part - counts * w[:, 0, None, None] - (counts > 0) * w[:, 1, None, None]
+    fix = _draft_entries(procs, pass_drafts, width, vocab)
+    if fix is not None:
+        j, i, t = fix
+        at = (mx.array(j), mx.array(i), mx.array(t))
+        values = np.array(biased[at])
+        part[at] = mx.array(_penalised(values, procs, pass_drafts, j, i, t))
     if any(p.matcher is not None for p in procs):
-        part = mx.where(
-            mx.array(_masks(procs, [drafts[r] for r in idx], width, vocab, executor)), part, -mx.inf
-        )
-    logits[mx.array(idx)] = part
+        part = mx.where(_masks(procs, pass_drafts, width, vocab, executor), part, -mx.inf)
+    if every:
+        return part
+    logits[rows_idx] = part
     return logits
 
 
@@ -203,15 +205,45 @@ def _or_zero(values: np.ndarray | None, vocab: int) -> np.ndarray:
     return values[:vocab] if values is not None else np.zeros(vocab, np.float32)
 
 
-def _cumulate(rows: np.ndarray, drafts: list[int], add) -> None:
-    # Position i sees the drafts before it: row i+1 onwards gains draft i.
-    for i, t in enumerate(drafts):
-        if i + 1 < rows.shape[0] and 0 <= t < rows.shape[1]:
-            for k in range(i + 1, rows.shape[0]):
-                add(rows[k], t)
+def _or_false(values: np.ndarray | None, vocab: int) -> np.ndarray:
+    return values[:vocab] if values is not None else np.zeros(vocab, bool)
 
 
-def _masks(procs, drafts, width: int, vocab: int, executor) -> np.ndarray:
+def _draft_entries(procs, drafts, width: int, vocab: int):
+    """(row, position, token) index arrays of the entries a pass's own drafts change:
+    token d[k] at every verified position after k, in rows with penalties; None if none.
+    Position i sees the drafts before it: the state before the pass plus d[:i]."""
+    rows_, positions, tokens = [], [], []
+    for j, (p, d) in enumerate(zip(procs, drafts, strict=True)):
+        if p.counts is None and p.seen is None:
+            continue
+        for k, t in enumerate(d):
+            if 0 <= t < vocab:
+                for i in range(k + 1, min(len(d) + 1, width)):
+                    rows_.append(j), positions.append(i), tokens.append(t)
+    if not rows_:
+        return None
+    return np.array(rows_), np.array(positions), np.array(tokens)
+
+
+def _penalised(values, procs, drafts, rows, positions, tokens) -> np.ndarray:
+    """Each entry's penalised value from the definitions (its bias already in `values`):
+    the row's counts before the pass plus the drafts before that position."""
+    out = np.array(values, np.float32)
+    for n, (j, i, t) in enumerate(zip(rows, positions, tokens, strict=True)):
+        p = procs[j]
+        extra = drafts[j][:i].count(t)
+        v = out[n]
+        if p.seen is not None and (p.seen[t] or extra):
+            v = v / p.repetition if v > 0 else v * p.repetition
+        if p.counts is not None:
+            c = p.counts[t] + extra
+            v = v - c * p.frequency - (c > 0) * p.presence
+        out[n] = v
+    return out
+
+
+def _masks(procs, drafts, width: int, vocab: int, executor) -> mx.array:
     """(rows, width, vocab) booleans: the tokens each row's grammar allows at each
     verified position (all, where no grammar applies)."""
     words = (vocab + 31) // 32
@@ -230,15 +262,18 @@ def _masks(procs, drafts, width: int, vocab: int, executor) -> np.ndarray:
         fill_next_token_bitmask_par_with_draft_tokens(executor, par, bitmask)
     if plain:
         fill_next_token_bitmask_par(executor, plain, bitmask)
-    allowed = np.unpackbits(bitmask.view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
-    allowed = allowed.astype(bool).reshape(len(procs), width, vocab)
+    # Unpacked on the device: bit b of word w allows token 32 * w + b.
+    bits = mx.array(bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)
+    allowed = (bits & 1).astype(mx.bool_).reshape(len(procs), width, words * 32)[..., :vocab]
     # A position where nothing is allowed (the grammar ended, or refused the text):
     # end the row rather than sample from nothing.
-    empty = ~allowed.any(axis=-1)
+    empty = np.array(~allowed.any(axis=-1))
     if empty.any():
+        eos = np.zeros((len(procs), width, vocab), bool)
         for j, p in enumerate(procs):
             for i in np.nonzero(empty[j])[0]:
-                allowed[j, i, [t for t in p.eos if t < vocab]] = True
+                eos[j, i, [t for t in p.eos if t < vocab]] = True
+        allowed = allowed | mx.array(eos)
     return allowed
 
 
@@ -247,31 +282,42 @@ def logprobs_of(
 ) -> dict[int, list[tuple[float, list[tuple[int, float]]]]]:
     """For each row r that asks for them: per emitted token (at positions 0..), its
     log-probability under the raw target distribution and the top `top_logprobs`
-    (token, log-probability) pairs, ties broken by the lower token id."""
+    (token, log-probability) pairs, ties broken by the lower token id. The log-softmax
+    and the candidates stay on the device; the host reads a few values per token."""
     idx = [r for r, p in enumerate(rows) if p is not None and p.top_logprobs is not None]
     if not idx:
         return {}
     n = max(len(emitted[r]) for r in idx)
     raw = logits[mx.array(idx), :n].astype(mx.float32)
-    lp = np.array(raw - mx.logsumexp(raw, axis=-1, keepdims=True))
+    lp = raw - mx.logsumexp(raw, axis=-1, keepdims=True)  # (rows, n, V)
+    vocab = lp.shape[-1]
+    tokens = mx.array([emitted[r] + [0] * (n - len(emitted[r])) for r in idx])
+    chosen = np.array(mx.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0])
+    k = max(rows[r].top_logprobs for r in idx)
+    seen = min(vocab, k + 8)  # candidates past k, so ties at the k-th value are seen
+    if k:
+        if seen < vocab:
+            cand = mx.argpartition(-lp, kth=seen - 1, axis=-1)[..., :seen]
+        else:
+            cand = mx.broadcast_to(mx.arange(vocab), lp.shape)
+        cand_lp = np.array(mx.take_along_axis(lp, cand, axis=-1))
+        cand = np.array(cand)
     out = {}
     for j, r in enumerate(idx):
-        k = rows[r].top_logprobs
+        want = rows[r].top_logprobs
         entries = []
-        for i, t in enumerate(emitted[r]):
-            row = lp[j, i]
+        for i in range(len(emitted[r])):
             top: list[tuple[int, float]] = []
-            if k:
-                cand = (
-                    np.argpartition(-row, k - 1)[:k]
-                    if k < row.shape[0]
-                    else np.arange(row.shape[0])
-                )
-                # Ties at the k-th value: take every token tied with it, then the lowest ids.
-                cut = row[cand].min()
-                cand = np.nonzero(row >= cut)[0]
-                order = np.lexsort((cand, -row[cand]))[:k]
-                top = [(int(cand[o]), float(row[cand[o]])) for o in order]
-            entries.append((float(row[t]), top))
+            if want:
+                ids, values = cand[j, i], cand_lp[j, i]
+                order = np.lexsort((ids, -values))
+                cut = values[order[want - 1]]
+                if seen < vocab and np.sum(values >= cut) == seen:  # ties past the candidates
+                    row = np.array(lp[j, i])
+                    ids = np.nonzero(row >= cut)[0]
+                    values = row[ids]
+                    order = np.lexsort((ids, -values))
+                top = [(int(ids[o]), float(values[o])) for o in order[:want]]
+            entries.append((float(chosen[j, i]), top))
         out[r] = entries
     return out

@@ -260,7 +260,7 @@ def test_penalties_that_forget_the_drafts_of_the_same_pass_fail(pair, monkeypatc
     twin = dataclasses.replace(pair, draft=pair.target)
     reqs = _requests("model", 6, [None] * 3, max_tokens=40, frequency_penalty=0.4)
     _check_exact(twin, reqs)
-    monkeypatch.setattr(processors, "_cumulate", lambda rows, drafts, add: None)
+    monkeypatch.setattr(processors, "_draft_entries", lambda procs, drafts, width, vocab: None)
     with pytest.raises(AssertionError):
         test_each_verified_position_counts_the_drafts_before_it()
     with pytest.raises(AssertionError):
