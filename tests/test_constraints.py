@@ -147,6 +147,13 @@ def _check_exact(pair, requests, max_batch: int = 8) -> list:
     for i, (r, ref) in enumerate(zip(requests, refs, strict=True)):
         assert single[i].token_ids == ref, (i, r.constraint, r.drafter)
         assert batched[i].token_ids == ref, (i, r.constraint, r.drafter)
+        if r.logprobs and ref:  # the target's raw log-softmax, from one pass over the text
+            ids = pair.tokenizer.encode(r.prompt)
+            logits = pair.target(mx.array([ids + ref]))[0, len(ids) - 1 : len(ids) - 1 + len(ref)]
+            want = np.array(logits - mx.logsumexp(logits, axis=-1, keepdims=True))
+            for res in (single[i], batched[i]):
+                got = [e["logprob"] for e in res.logprobs]
+                assert np.allclose(got, want[np.arange(len(ref)), ref], atol=1e-4), i
     return single
 
 
@@ -443,7 +450,9 @@ def test_every_drafter_kind_is_exact_under_constraints_with_the_prefix_cache(kin
     pair = _kind_pair(kind, tmp_path)
     mixed = [CONSTRAINTS["person"], None, CONSTRAINTS["regex"], CONSTRAINTS["nested"]]
     for k in (3, "auto"):
-        reqs = _requests("model", k, mixed, max_tokens=30, frequency_penalty=0.3)
+        reqs = _requests(
+            "model", k, mixed, max_tokens=30, frequency_penalty=0.3, logprobs=True, top_logprobs=2
+        )
         results = _check_exact(pair, reqs, max_batch=3)
     assert {r.stats.drafter for r in results} == {kind}
 
