@@ -349,7 +349,15 @@ class BatchDecoder(Decoder):
             return drafts, q
         positions = {r.key: r.generated for r in self.rows}
         last = {r.key: r.target_pending for r in self.rows}
-        by_key, laws = self.proposer.propose(want, positions, last)
+        grammar = {
+            r.key: r.logits
+            for r in self.rows
+            if r.key in want and r.logits is not None and r.logits.constrained
+        }
+        if grammar and self.proposer.masks_drafts:
+            by_key, laws = self.proposer.propose(want, positions, last, grammar=grammar)
+        else:
+            by_key, laws = self.proposer.propose(want, positions, last)
         for i, row in enumerate(self.rows):
             if row.key in by_key:
                 drafts[i] = by_key[row.key]

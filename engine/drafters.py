@@ -17,6 +17,8 @@ import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
+import numpy as np
+from llguidance.numpy import fill_next_token_bitmask
 
 from . import sampling
 from .families import make_ragged_cache
@@ -161,6 +163,7 @@ class ModelProposer(Proposer):
     """
 
     kind = "model"
+    masks_drafts = True
 
     def __init__(self, model, draft_vocab: int, target_vocab: int, prefix=None):
         self.model = model
@@ -234,11 +237,14 @@ class ModelProposer(Proposer):
             self.rows.select(keep)
             self.members = [self.members[i] for i in keep]
 
-    def propose(self, want: dict, positions: dict, last: dict | None = None) -> tuple[dict, dict]:
+    def propose(
+        self, want: dict, positions: dict, last: dict | None = None, grammar: dict | None = None
+    ) -> tuple[dict, dict]:
         """Draft want[key] tokens for each member key (0 or absent: none); every member
         runs through the same passes (`last` is not needed: a member's pending tokens
         end with it). Returns ({key: tokens}, {key: (k, V) law}) with
-        laws only for sampled rows (over the target's vocabulary, padding rows 0)."""
+        laws only for sampled rows (over the target's vocabulary, padding rows 0).
+        `grammar`: {key: processors.RowLogits} of rows whose drafts the grammar masks."""
         waking = [key for key in self.cold if want.get(key, 0) > 0]
         if waking:
             self._warm(waking)
@@ -262,31 +268,12 @@ class ModelProposer(Proposer):
         feed = mx.array([m.pending[: m.read] + [0] * (width - m.read) for m in members])
         last = mx.array([m.read - 1 for m in members]) if width > 1 else None
         dv = self.draft_vocab
-        tokens, laws = [], []
-        for step in range(depth):
-            out = self.model(feed, cache=self.cache)
-            if step == 0 and last is not None:
-                logits = out[mx.arange(len(members)), last, :dv]
-                self.rows.advance(width, [m.read for m in members])
-            else:
-                logits = out[:, -1, :dv]
-                # A row that does not draft reads a token more of its backlog, if it has
-                # one; else it keeps none of the chained passes' positions.
-                keep = [1 if step == 0 or m.used or m.reading else 0 for m in members]
-                self.rows.advance(1, keep)
-                for m in members:
-                    m.read += m.reading
-            tok, law = self._sample(logits, step)
-            tokens.append(tok)
-            laws.append(law)
-            if step + 1 < depth:
-                for m in members:
-                    m.reading = not m.used and m.read < len(m.pending)
-                feed = tok[:, None].astype(mx.uint32)
-                if any(m.reading for m in members):
-                    backlog = mx.array([m.pending[m.read] if m.reading else 0 for m in members])
-                    reading = mx.array([m.reading for m in members])
-                    feed = mx.where(reading[:, None], backlog[:, None], feed)
+        walkers = GrammarWalk(members, grammar, dv) if grammar else None
+        try:
+            tokens, laws = self._passes(members, feed, last, width, depth, dv, walkers)
+        finally:
+            if walkers is not None:
+                walkers.rollback()
         mx.eval(tokens)
         table = mx.stack(tokens, axis=1).tolist()
         sampled = {m.key: j for j, m in enumerate(self._sampled)}
@@ -303,6 +290,40 @@ class ModelProposer(Proposer):
             if m.key in sampled:
                 q[m.key] = stacked[sampled[m.key], :k]
         return drafts, q
+
+    def _passes(self, members, feed, last, width: int, depth: int, dv: int, walkers):
+        """The step's draft passes: a token (and, for sampled rows, its law) per member
+        at each depth; a grammar's rows drafted under its mask (`walkers`)."""
+        tokens, laws = [], []
+        for step in range(depth):
+            out = self.model(feed, cache=self.cache)
+            if step == 0 and last is not None:
+                logits = out[mx.arange(len(members)), last, :dv]
+                self.rows.advance(width, [m.read for m in members])
+            else:
+                logits = out[:, -1, :dv]
+                # A row that does not draft reads a token more of its backlog, if it has
+                # one; else it keeps none of the chained passes' positions.
+                keep = [1 if step == 0 or m.used or m.reading else 0 for m in members]
+                self.rows.advance(1, keep)
+                for m in members:
+                    m.read += m.reading
+            if walkers is not None:
+                logits = walkers.mask(logits)
+            tok, law = self._sample(logits, step)
+            if walkers is not None and step + 1 < depth:
+                walkers.walk(tok)
+            tokens.append(tok)
+            laws.append(law)
+            if step + 1 < depth:
+                for m in members:
+                    m.reading = not m.used and m.read < len(m.pending)
+                feed = tok[:, None].astype(mx.uint32)
+                if any(m.reading for m in members):
+                    backlog = mx.array([m.pending[m.read] if m.reading else 0 for m in members])
+                    reading = mx.array([m.reading for m in members])
+                    feed = mx.where(reading[:, None], backlog[:, None], feed)
+        return tokens, laws
 
     def _sample(self, logits, step):
         """Tokens for every member at this depth, and the laws of the sampled members
@@ -498,3 +519,57 @@ class DFlashProposer(Proposer):
 
     def pending(self, key) -> list[int]:
         return []
+
+
+class GrammarWalk:
+    """The grammars of a draft step's constrained rows, walked over their own drafts:
+    each pass's logits are masked by every row's grammar after the drafts before it, so
+    the draft model proposes only tokens the grammar allows and a sampled row's law is
+    the masked one it drew from. The rows' matchers hold emitted tokens only: `rollback`
+    (always, when the step's passes end) takes the walked drafts back off."""
+
+    def __init__(self, members, grammar: dict, vocab: int):
+        self.vocab = vocab
+        self.rows = {
+            j: grammar[m.key]
+            for j, m in enumerate(members)
+            if m.used and m.key in grammar and grammar[m.key].constrained
+        }
+        self.walked = dict.fromkeys(self.rows, 0)
+        self.live = set(self.rows)
+        words = (max(vocab, 1) + 31) // 32
+        self.bitmask = np.full((len(members), words), -1, dtype=np.int32)
+
+    def mask(self, logits: mx.array) -> mx.array:
+        """(members, vocab) logits with each live row's disallowed tokens at -inf."""
+        if not self.live:
+            return logits
+        self.bitmask.fill(-1)
+        for j in self.live:
+            matcher = self.rows[j].matcher
+            if matcher.is_stopped():
+                continue
+            fill_next_token_bitmask(matcher, self.bitmask, j)
+            if not self.bitmask[j].any():  # nothing allowed: leave the row unmasked
+                self.bitmask[j] = -1
+        bits = mx.array(self.bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)
+        allowed = (bits & 1).astype(mx.bool_).reshape(self.bitmask.shape[0], -1)
+        return mx.where(allowed[:, : logits.shape[-1]], logits, -mx.inf)
+
+    def walk(self, tokens: mx.array) -> None:
+        """Each live row's grammar takes the token it drafted at this depth."""
+        drafted = tokens.tolist()
+        for j in list(self.live):
+            matcher = self.rows[j].matcher
+            t = drafted[j]
+            if matcher.is_stopped() or matcher.validate_tokens([t]) != 1:
+                self.live.discard(j)  # the drafts after it are cut (BatchDecoder._trim)
+                continue
+            matcher.consume_token(t)
+            self.walked[j] += 1
+
+    def rollback(self) -> None:
+        for j, n in self.walked.items():
+            if n:
+                self.rows[j].matcher.rollback(n)
+        self.walked = dict.fromkeys(self.rows, 0)

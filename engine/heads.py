@@ -110,6 +110,7 @@ class HeadProposer(ModelProposer):
 
     needs_features = True
     block = False
+    masks_drafts = False  # its drafts are cut at a grammar's refusal instead
 
     def __init__(self, drafter, target_vocab: int):
         super().__init__(drafter.head, target_vocab, target_vocab)

@@ -67,6 +67,10 @@ class Proposer(Protocol):
 
     #: The rows it has read, in its row order (cold rows excluded).
     members: list
+    #: It takes `propose(..., grammar={key: processors.RowLogits})` and drafts only tokens
+    #: those rows' grammars allow (its law masked the same way), walking each row's
+    #: matcher over its own drafts and rolling it back before it returns.
+    masks_drafts: bool = False
 
     def admit(self, joining: list[Joining], context: Any = None) -> None:
         """Rows join; `context` is what `new_context` built over their prefill passes

@@ -720,3 +720,22 @@ def test_chat_template_kwargs_reach_the_template_and_unknown_ones_are_refused(th
                 messages=messages, max_tokens=5, chat_template_kwargs={"enable_thinkin": False}
             ),
         )
+
+
+def test_the_draft_model_drafts_only_what_the_grammar_allows(pair, monkeypatch):
+    """A draft that is the target itself, under the grammar's mask, drafts exactly the
+    target's masked choices: every draft passes. Without the mask its drafts would be
+    the unconstrained text, cut at the grammar's first refusal."""
+    twin = dataclasses.replace(pair, draft=pair.target)
+    reqs = _requests("model", 4, [CONSTRAINTS["person"], CONSTRAINTS["nested"]], max_tokens=40)
+    results = _check_exact(twin, reqs)
+    spec = [r.stats for r in results]
+    assert sum(s.num_draft_tokens for s in spec) > 10
+    assert all(s.num_accepted_draft_tokens == s.num_draft_tokens for s in spec)
+    from engine.drafters import ModelProposer
+
+    monkeypatch.setattr(ModelProposer, "masks_drafts", False)
+    unmasked = [engine.generate(twin, r).stats for r in reqs]
+    assert sum(s.num_accepted_draft_tokens for s in unmasked) < sum(
+        s.num_accepted_draft_tokens for s in spec
+    )
