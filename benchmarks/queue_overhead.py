@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,11 +30,10 @@ import time
 import uuid
 from pathlib import Path
 
-from redis import Redis
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import report  # noqa: E402
+from private_redis import private_redis, script  # noqa: E402
 
 from jobstore import store  # noqa: E402
 from jobstore.jobfile import JobLine  # noqa: E402
@@ -45,13 +41,7 @@ from jobstore.keys import Keys  # noqa: E402
 from jobstore.lines import Choice, dumps, result_line, unpack  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n\ndef walk("]
-
-
-def script(name: str) -> str:
-    path = BIN / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
 
 
 def log(message: str) -> None:
@@ -59,30 +49,6 @@ def log(message: str) -> None:
 
 
 START = time.monotonic()
-
-
-def start_redis(workdir: Path) -> tuple[subprocess.Popen, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        ["redis-server", "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-        + ["--appendonly", "no", "--dir", str(workdir)],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    url = f"redis://127.0.0.1:{port}/0"
-    conn = Redis.from_url(url)
-    deadline = time.monotonic() + 10
-    while True:
-        try:
-            conn.ping()
-            return proc, url
-        except Exception:
-            if time.monotonic() > deadline or proc.poll() is not None:
-                proc.kill()
-                raise SystemExit(f"redis-server on port {port} did not start") from None
-            time.sleep(0.05)
 
 
 def write_jobs(path: Path, n: int, max_tokens: int) -> None:
@@ -247,20 +213,12 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="queue-overhead-") as tmp_name:
         tmp = Path(tmp_name)
-        proc, url = start_redis(tmp)
-        try:
-            prefix = f"qo{uuid.uuid4().hex[:6]}"
-            env = dict(os.environ, SPEC_REDIS_URL=url, SPEC_KEY_PREFIX=prefix)
-            env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-            conn = Redis.from_url(url)
-            keys = Keys(prefix)
+        with private_redis(tmp, "qo", stop_s=10) as redis:
+            conn, env, keys = redis.conn, redis.env, redis.keys
             over = per_job_overhead(conn, env, keys, tmp, args.jobs, worker_args)
             log(f"mean overhead {over['mean_ms']:.2f} ms/line")
             big = submit_and_collect(conn, env, keys, tmp, args.lines)
             version = conn.info("server")["redis_version"]
-        finally:
-            proc.terminate()
-            proc.wait(timeout=10)
     import rq
 
     facts = {"redis-server": version, "rq": rq.__version__}

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -44,19 +43,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import report  # noqa: E402
-from queue_overhead import log, start_redis  # noqa: E402
+from private_redis import private_redis, script  # noqa: E402
+from queue_overhead import log  # noqa: E402
 
 from jobstore.keys import Keys  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
-BIN = Path(sys.executable).parent
 STUB = ROOT / "benchmarks" / "stub_worker.py"
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n\ndef walk("]
-
-
-def script(name: str) -> str:
-    path = BIN / name
-    return str(path) if path.exists() else (shutil.which(name) or name)
 
 
 def write_jobs(path: Path, n: int, prefix: str = "r") -> float:
@@ -356,23 +350,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="queue-scale-") as tmp_name:
         tmp = Path(tmp_name)
-        proc, url = start_redis(tmp)
-        try:
-            prefix = f"qs{uuid.uuid4().hex[:6]}"
-            env = dict(os.environ, SPEC_REDIS_URL=url, SPEC_KEY_PREFIX=prefix)
-            env["PATH"] = f"{BIN}{os.pathsep}{env.get('PATH', '')}"
-            conn = Redis.from_url(url)
-            keys = Keys(prefix)
+        with private_redis(tmp, "qs", stop_s=60) as redis:
+            conn, env, keys = redis.conn, redis.env, redis.keys
             wait_all(stub_workers(env, 1, "--burst"), timeout=120)  # registers the alias
-            os.environ.update(SPEC_KEY_PREFIX=prefix)
+            os.environ.update(SPEC_KEY_PREFIX=keys.prefix)
             big = big_batch(conn, env, keys, tmp, args.lines, args.workers)
             rows = fleet(
                 conn, env, keys, tmp, args.fleet_lines, [int(c) for c in args.fleet.split(",")]
             )
             version = conn.info("server")["redis_version"]
-        finally:
-            proc.terminate()
-            proc.wait(timeout=60)
     import rq
 
     md = render(big, rows, {"redis-server": version, "rq": rq.__version__})

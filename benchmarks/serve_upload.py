@@ -29,7 +29,8 @@ import httpx
 import openai
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from queue_overhead import log, script, start_redis  # noqa: E402
+from private_redis import script, start_redis  # noqa: E402
+from queue_overhead import log  # noqa: E402
 
 KEY = "sk-bench"
 

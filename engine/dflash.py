@@ -25,8 +25,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,6 +33,9 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx.utils import tree_flatten
 
+from .blocks import Projections, SwiGLU
+from .capture import capture_layers, target_layers
+from .checkpoints import load_strict, read_safetensors
 from .dflash2 import CODEBOOKS, CandidateSelector, GroupedDynamicConv, chain_noise
 from .drafters import DFlashProposer
 from .ragged import MaskedLayer, RaggedRows
@@ -191,21 +192,11 @@ def _check_layout(cfg: dict, name: str) -> None:
 # ----------------------------------------------------------------------------- the model
 
 
-class _Attention(nn.Module):
+class _Attention(Projections):
     """Block queries against cached context keys plus the block's own keys."""
 
     def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = (
-            c.num_attention_heads,
-            c.num_key_value_heads,
-            c.head_dim,
-        )
-        self.scale = c.head_dim**-0.5
-        self.q_proj = nn.Linear(c.hidden_size, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
+        super().__init__(c, c.hidden_size)
         self.q_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
         self.k_norm = nn.RMSNorm(c.head_dim, eps=c.rms_norm_eps)
 
@@ -228,22 +219,11 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, c: DFlashConfig):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     def __init__(self, c: DFlashConfig):
         super().__init__()
         self.self_attn = _Attention(c)
-        self.mlp = _MLP(c)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
         self.input_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.convolved = c.kind == "dflash2"
@@ -313,20 +293,6 @@ class DFlashModel(nn.Module):
 # ----------------------------------------------------------------------------- target side
 
 
-def target_layers(target: nn.Module) -> list:
-    """The decoder-layer list of an mlx-lm causal LM (llama, qwen3, qwen3_5 style)."""
-    for path in ("model.layers", "language_model.model.layers", "layers"):
-        obj: Any = target
-        try:
-            for part in path.split("."):
-                obj = getattr(obj, part)
-        except AttributeError:
-            continue
-        if isinstance(obj, list):
-            return obj
-    raise ModelLoadError(f"cannot find the decoder layers of {type(target).__name__}")
-
-
 def target_embed_and_head(target: nn.Module) -> tuple[Any, Any]:
     """The target's token embedding module and LM head callable (tied or not)."""
     for holder in (getattr(target, "language_model", None), target):
@@ -338,38 +304,6 @@ def target_embed_and_head(target: nn.Module) -> tuple[Any, Any]:
             head = holder["lm_head"] if "lm_head" in holder else embed.as_linear
             return embed, head
     raise ModelLoadError(f"cannot find the token embeddings of {type(target).__name__}")
-
-
-class _Hook:
-    """Stands in for a target layer: calls it and keeps its output."""
-
-    def __init__(self, layer, slot: int, store: list):
-        self._layer, self._slot, self._store = layer, slot, store
-
-    def __call__(self, *args, **kwargs):
-        out = self._layer(*args, **kwargs)
-        self._store[self._slot] = out
-        return out
-
-    def __getattr__(self, name):
-        return getattr(self._layer, name)
-
-
-class FeatureCapture:
-    """Holds the outputs of the named target layers from the latest forward pass."""
-
-    def __init__(self, n: int):
-        self._outputs: list = [None] * n
-
-    @property
-    def features(self) -> mx.array:
-        """(B, T, len(target_layer_ids) * hidden) for the latest forward pass.
-
-        Raises RuntimeError when no forward pass has run inside the capture.
-        """
-        if any(o is None for o in self._outputs):
-            raise RuntimeError("no target forward pass ran inside the capture")
-        return mx.concatenate(self._outputs, axis=-1)
 
 
 # ----------------------------------------------------------------------------- the drafter
@@ -443,25 +377,15 @@ class DFlashDrafter:
     def mask_token_id(self) -> int:
         return self.config.mask_token_id
 
-    @contextmanager
-    def capture(self, target: nn.Module) -> Iterator[FeatureCapture]:
+    def capture(self, target: nn.Module):
         """Inside the block, every forward of `target` records the named layers' outputs.
 
         `with drafter.capture(target) as cap: logits = target(x, cache=c)` then
-        `cap.features`. Works with any cache the target accepts; the target's layer list is
-        restored on exit.
+        `cap.features` (B, T, len(target_layer_ids) * hidden). Works with any cache the
+        target accepts; the target's layer list is restored on exit.
         """
-        layers = target_layers(target)
-        ids = self.config.target_layer_ids
-        cap = FeatureCapture(len(ids))
-        originals = {i: layers[i] for i in ids}
-        try:
-            for slot, i in enumerate(ids):
-                layers[i] = _Hook(originals[i], slot, cap._outputs)
-            yield cap
-        finally:
-            for i, layer in originals.items():
-                layers[i] = layer
+        ids = list(self.config.target_layer_ids)
+        return capture_layers(target, ids, lambda outs: mx.concatenate(outs, axis=-1))
 
     def new_state(self, batch: int = 0) -> DFlashState:
         """An empty batched context with `batch` rows."""
@@ -797,12 +721,7 @@ def check_against_target(config: DFlashConfig, target: nn.Module, target_config:
 
 
 def _read_weights(path: Path, name: str = "DFlash") -> dict:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"{name} drafter {path}: no *.safetensors files")
-    weights = {}
-    for f in files:
-        weights.update(mx.load(str(f)))
+    weights = read_safetensors(path, f"{name} drafter {path}")
     # Some exports nest the drafter's weights under "model."; the names inside are the same.
     weights = {k.removeprefix("model."): v for k, v in weights.items()}
     for key in CODEBOOKS:  # DFlash2 stores its codebooks as bare tensors
@@ -833,27 +752,7 @@ def load_dflash(path: str | Path, target_model: nn.Module, target_config: dict) 
     weights = _read_weights(path, config.name)
     model = DFlashModel(config)
     quant = raw.get("quantization") or raw.get("quantization_config")
-    if quant:
-        nn.quantize(
-            model,
-            group_size=int(quant.get("group_size", 64)),
-            bits=int(quant.get("bits", 4)),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
-    try:
-        model.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        raise ModelLoadError(
-            f"{config.name} drafter {path}: weights do not match config: {exc}"
-        ) from exc
-    if mx.default_device() == mx.cpu:
-        from mlx.utils import tree_map
-
-        def cast(x):
-            return x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x
-
-        model.update(tree_map(cast, model.parameters()))
-    mx.eval(model.parameters())
+    load_strict(model, weights, f"{config.name} drafter {path}: weights do not match config", quant)
     return DFlashDrafter(model, target_model, str(path))
 
 

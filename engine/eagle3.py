@@ -23,10 +23,13 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
-from .dflash import _target_width_and_vocab, target_embed_and_head, target_layers
-from .heads import HeadProposer, PrefillHidden, capture_layers, measure_head_costs
+from .blocks import Projections, SwiGLU
+from .capture import capture_layers, target_layers
+from .checkpoints import float32, load_strict, read_safetensors
+from .dflash import _target_width_and_vocab, target_embed_and_head
+from .heads import HeadProposer, PrefillHidden, measure_head_costs
 from .types import ModelLoadError
 
 
@@ -104,17 +107,11 @@ class Eagle3Config:
             raise ModelLoadError(f"EAGLE-3 config.json: bad value: {exc}") from exc
 
 
-class _Attention(nn.Module):
+class _Attention(Projections):
     def __init__(self, c: Eagle3Config, width: int):
-        super().__init__()
+        super().__init__(c, width)
         from mlx_lm.models.rope_utils import initialize_rope
 
-        self.n_heads, self.n_kv_heads = c.num_attention_heads, c.num_key_value_heads
-        self.scale = c.head_dim**-0.5
-        self.q_proj = nn.Linear(width, c.num_attention_heads * c.head_dim, bias=False)
-        self.k_proj = nn.Linear(width, c.num_key_value_heads * c.head_dim, bias=False)
-        self.v_proj = nn.Linear(width, c.num_key_value_heads * c.head_dim, bias=False)
-        self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
         self.rope = initialize_rope(
             c.head_dim,
             base=c.rope_theta,
@@ -138,17 +135,6 @@ class _Attention(nn.Module):
         return self.o_proj(out.transpose(0, 2, 1, 3).reshape(b, n, -1))
 
 
-class _MLP(nn.Module):
-    def __init__(self, c: Eagle3Config):
-        super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
-
-    def __call__(self, x: mx.array) -> mx.array:
-        return self.down_proj(nn.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
 class _Layer(nn.Module):
     """The head's one decoder layer: attention over [embedding, features], 2 x hidden wide."""
 
@@ -159,7 +145,7 @@ class _Layer(nn.Module):
         self.hidden_norm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
         self.self_attn = _Attention(c, 2 * c.hidden_size)
         self.post_attention_layernorm = nn.RMSNorm(c.hidden_size, eps=c.rms_norm_eps)
-        self.mlp = _MLP(c)
+        self.mlp = SwiGLU(c.hidden_size, c.intermediate_size)
 
     def __call__(self, embeds, hidden, mask, cache) -> mx.array:
         normed = self.hidden_norm(hidden)
@@ -262,12 +248,7 @@ class Eagle3Drafter:
 
 
 def _read_weights(path: Path) -> dict:
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ModelLoadError(f"EAGLE-3 head {path}: no *.safetensors files")
-    weights = {}
-    for f in files:
-        weights.update(mx.load(str(f)))
+    weights = read_safetensors(path, f"EAGLE-3 head {path}")
     out = {}
     for key, value in weights.items():
         key = key.removeprefix("model.")
@@ -330,20 +311,9 @@ def load_eagle3(path, target, target_config: dict) -> Eagle3Drafter:
         )
     own_embed = weights.pop("embed_tokens.weight", None)
     head = Eagle3Head(config, len(aux))
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        msg = " ".join(str(exc).split())
-        raise ModelLoadError(f"{where}: weights do not match config.json: {msg}") from exc
-    if mx.default_device() == mx.cpu:  # fp16/bf16 matmuls bypass BLAS on the CPU
-
-        def cast(x):
-            return x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x
-
-        head.update(tree_map(cast, head.parameters()))
-        if own_embed is not None:
-            own_embed = cast(own_embed)
-    mx.eval(head.parameters())
+    load_strict(head, weights, f"{where}: weights do not match config.json")
+    if own_embed is not None and mx.default_device() == mx.cpu:
+        own_embed = float32(own_embed)
     embed, _ = target_embed_and_head(target)
     if own_embed is not None and tuple(own_embed.shape) != tuple(embed.weight.shape):
         own = nn.Embedding(*own_embed.shape)

@@ -12,49 +12,12 @@ tokens are read again with the target's features of the verify pass, as heads ar
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import mlx.core as mx
 
-from .dflash import _Hook, target_layers
 from .drafters import PREFILL_CHUNK, ModelProposer, _Member
 from .interfaces import Joining
-
-
-class LayerCapture:
-    """Outputs of some target layers in the latest pass, turned into features by `finish`."""
-
-    def __init__(self, n: int, finish: Callable[[list], mx.array]):
-        self._outputs: list = [None] * n
-        self._finish = finish
-
-    @property
-    def features(self) -> mx.array:
-        """(B, T, feature size); raises RuntimeError when no target pass ran inside."""
-        if any(o is None for o in self._outputs):
-            raise RuntimeError("no target forward pass ran inside the capture")
-        return self._finish(self._outputs)
-
-
-@contextmanager
-def capture_layers(target, ids: list[int], finish) -> Iterator[LayerCapture]:
-    """Inside the block, target forwards record the outputs of layers `ids` (negative ids
-    count from the end; one layer may be named twice); the layer list is restored on exit."""
-    layers = target_layers(target)
-    where = sorted({i % len(layers) for i in ids})
-    cap = LayerCapture(
-        len(where), lambda outs: finish([outs[where.index(i % len(layers))] for i in ids])
-    )
-    originals = {i: layers[i] for i in where}
-    try:
-        for slot, i in enumerate(where):
-            layers[i] = _Hook(originals[i], slot, cap._outputs)
-        yield cap
-    finally:
-        for i, layer in originals.items():
-            layers[i] = layer
 
 
 class PrefillHidden:

@@ -10,9 +10,10 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
 from .blas import blas_info
+from .checkpoints import to_float32
 from .dflash import is_dflash_dir, load_dflash
 from .eagle3 import is_eagle3_dir, load_eagle3
 from .mtp import is_mtp_spec, load_mtp
@@ -118,17 +119,8 @@ def _load_one(path_or_id: str, role: str):
     except Exception as exc:  # mlx_lm raises many kinds; say which model failed
         raise ModelLoadError(f"{role} model {path_or_id!r} could not be loaded: {exc}") from exc
     if mx.default_device() == mx.cpu:
-        _to_float32(model)
+        to_float32(model)
     return model, tokenizer, config
-
-
-def _to_float32(model: nn.Module) -> None:
-    # fp16/bf16 matmuls bypass BLAS on the CPU backend and are ~20x slower than fp32.
-    def cast(x):
-        return x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x
-
-    model.update(tree_map(cast, model.parameters()))
-    mx.eval(model.parameters())
 
 
 def _vocab_rows(model: nn.Module, config: dict) -> int:

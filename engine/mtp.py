@@ -23,10 +23,12 @@ from pathlib import Path
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx.utils import tree_flatten, tree_map
+from mlx.utils import tree_flatten
 
+from .capture import capture_layers
+from .checkpoints import load_strict
 from .dflash import target_embed_and_head
-from .heads import HeadProposer, PrefillHidden, capture_layers, measure_head_costs
+from .heads import HeadProposer, PrefillHidden, measure_head_costs
 from .types import ModelLoadError
 
 #: What `--draft` says to draft with the target's own MTP head.
@@ -273,25 +275,7 @@ def load_mtp(target_path: str, target: nn.Module, config: dict) -> MTPDrafter:
         }
     head = MTPHead(text, layers)
     quant = config.get("quantization") or config.get("quantization_config")
-    if quant and any(k.endswith(".scales") for k in weights):
-        nn.quantize(
-            head,
-            group_size=int(quant.get("group_size", 64)),
-            bits=int(quant.get("bits", 4)),
-            class_predicate=lambda p, m: f"{p}.scales" in weights,
-        )
-    try:
-        head.load_weights(list(weights.items()), strict=True)
-    except ValueError as exc:
-        msg = " ".join(str(exc).split())
-        raise ModelLoadError(f"{where}: mtp.* tensors do not match the config: {msg}") from exc
-    if mx.default_device() == mx.cpu:  # fp16/bf16 matmuls bypass BLAS on the CPU
-
-        def cast(x):
-            return x.astype(mx.float32) if x.dtype in (mx.float16, mx.bfloat16) else x
-
-        head.update(tree_map(cast, head.parameters()))
-    mx.eval(head.parameters())
+    load_strict(head, weights, f"{where}: mtp.* tensors do not match the config", quant)
     return MTPDrafter(head, target, str(target_path), layout)
 
 

@@ -251,7 +251,7 @@ def main(argv=None) -> None:
         flush=True,
     )
 
-    from engine.dflash import target_layers
+    from engine.capture import target_layers
 
     n_target = len(target_layers(target))
     if args.target_layer_ids == "auto":

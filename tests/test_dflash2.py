@@ -23,14 +23,24 @@ import mlx_lm
 import numpy as np
 import pytest
 from conftest import script
+from drafter_checks import (
+    MIXED_K,
+    SMALL,
+    TEXTS,
+    bound_pair,
+    check_greedy_exact,
+    drafter_config,
+    family_target,
+    greedy_requests,
+    six_token_target,
+)
 from mlx.utils import tree_flatten
 from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
 from test_queue import read_jsonl, write_jobs
-from tiny_families import build_model, tokenizer_dir
-from tiny_models import build_llama, reference_greedy
+from tiny_models import build_llama
 
 import engine
-from engine import GenerationRequest, drafters
+from engine import drafters
 from engine.batch import SpeculativeDecoder
 from engine.dflash import DFlashConfig, DFlashModel, drafter_kind, load_dflash, save_dflash
 from engine.dflash2 import grouped_dynamic_convolve
@@ -39,26 +49,16 @@ from engine.sampling import SamplingParams
 from engine.types import ModelLoadError
 
 HIDDEN = 64
-TEXTS = ["def parse_header(line):\n    ", "import os\n", "class Stack:\n    def push(self):"]
 COMPARE = Path(__file__).resolve().parent.parent / "scripts" / "compare_mlx_vlm_dflash.py"
-BLOCKS = (("model", 1), ("model", 2), ("model", 3))  # draft lengths 1..3 mixed
 
 
 def dflash2_config(vocab: int, layers: int, **over) -> DFlashConfig:
     """A tiny DFlash2 drafter shaped like z-lab's published one (all layers sliding,
     non-causal blocks, an output multiplier and a soft cap)."""
     base = dict(
-        hidden_size=HIDDEN,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        intermediate_size=128,
         vocab_size=vocab,
         rms_norm_eps=1e-5,
         rope_theta=500000.0,
-        max_position_embeddings=512,
-        block_size=5,
         mask_token_id=vocab - 1,
         target_layer_ids=(0, layers - 1),
         num_target_layers=layers,
@@ -74,7 +74,7 @@ def dflash2_config(vocab: int, layers: int, **over) -> DFlashConfig:
         selector_top_k=4,
     )
     base.update(over)
-    return DFlashConfig(**base)
+    return drafter_config(**base)
 
 
 def write_drafter(path, config: DFlashConfig, seed: int = 0) -> DFlashModel:
@@ -91,13 +91,6 @@ def write_drafter(path, config: DFlashConfig, seed: int = 0) -> DFlashModel:
             book.weight = 3.0 * book.weight
     save_dflash(model, path)
     return model
-
-
-def family_target(tmp, family: str, **kw):
-    tok, vocab = tokenizer_dir(tmp)
-    path = build_model(tmp / family, family, vocab_size=vocab, tokenizer_from=tok, **kw)
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    return path, vocab, layers
 
 
 # ----------------------------------------------------------------------------- layout
@@ -299,38 +292,22 @@ def test_dflash2_greedy_equals_target_only_single_and_batched(tmp_path, family):
     pair = engine.load_pair(target, tmp_path / "d2", calibrate=False)
     ids_list = [pair.tokenizer.encode(t) for t in TEXTS]
     for k in (1, 4):
-        requests = [
-            GenerationRequest(prompt_ids=ids, max_tokens=14 + 3 * i, num_draft_tokens=k)
-            for i, ids in enumerate(ids_list)
-        ]
-        refs = [reference_greedy(pair, r.prompt_ids, r.max_tokens) for r in requests]
-        single = [engine.generate(pair, r) for r in requests]
-        batched = dict(engine.generate_many(pair, requests, max_batch=2))  # rows join mid-batch
-        for i, ref in enumerate(refs):
-            assert single[i].token_ids == ref[: len(single[i].token_ids)], (k, i)
-            assert batched[i].token_ids == single[i].token_ids, (k, i)
-        stats = [r.metrics["speculative_decoding"] for r in single]
-        assert {s["drafter"] for s in stats} == {"dflash2"}
-        assert sum(s["num_draft_tokens"] for s in stats) > 0
+        requests = greedy_requests(ids_list, k, 14, grow=3)
+        check_greedy_exact(pair, requests, "dflash2", max_batch=2)  # rows join mid-batch
 
 
 # -- the sampling law on a 6-token vocabulary ----------------------------------------------
-def _v6_pair(tmp, target, layers: int, name: str, config: DFlashConfig) -> ModelPair:
-    t_model, tcfg = mlx_lm.utils.load_model(target)
-    write_drafter(tmp / "d", config, seed=21)
-    pair = ModelPair(t_model, None, None, str(target), str(tmp / "d"), 512, VOCAB, VOCAB, name)
-    pair.dflash = load_dflash(tmp / "d", t_model, tcfg)
-    return pair
+def _v6_pair(tmp, target, name: str, config: DFlashConfig) -> ModelPair:
+    def bind(t_model, tcfg):
+        write_drafter(tmp / "d", config, seed=21)
+        return load_dflash(tmp / "d", t_model, tcfg)
+
+    return bound_pair(target, str(tmp / "d"), name, bind)
 
 
 def _small(layers: int, **over) -> DFlashConfig:
     base = dict(
-        hidden_size=16,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=8,
-        intermediate_size=32,
-        block_size=4,
+        **SMALL,
         conv_group_size=8,
         selector_rank=4,
         output_multiplier=0.3,
@@ -344,29 +321,19 @@ def _small(layers: int, **over) -> DFlashConfig:
 def v6_dflash2(tmp_path_factory) -> ModelPair:
     tmp = tmp_path_factory.mktemp("v6dflash2")
     target = build_llama(tmp / "t", vocab_size=VOCAB, hidden=16, layers=1, seed=11, scale=6.0)
-    return _v6_pair(tmp, target, 1, "v6d2", _small(1, sliding_window=3))
+    return _v6_pair(tmp, target, "v6d2", _small(1, sliding_window=3))
 
 
 @pytest.fixture(scope="module")
 def v6_hybrid_dflash2(tmp_path_factory) -> ModelPair:
     """The same on a hybrid target: qwen3_5 (gated delta-net + full attention), 6 tokens."""
     tmp = tmp_path_factory.mktemp("v6hybrid2")
-    tok, _ = tokenizer_dir(tmp)
-    target = build_model(
-        tmp / "t",
-        "qwen3_5",
-        vocab_size=VOCAB,
-        tokenizer_from=tok,
-        hidden=16,
-        seed=11,
-        scale=2.0,
-        layers=2,
-    )
-    return _v6_pair(tmp, target, 2, "h6d2", _small(2, sliding_window=3))
+    target = six_token_target(tmp, "qwen3_5")
+    return _v6_pair(tmp, target, "h6d2", _small(2, sliding_window=3))
 
 
 def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
-    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=BLOCKS)
+    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=MIXED_K)
 
 
 @pytest.mark.slow
@@ -377,7 +344,7 @@ def test_dflash2_sampling_follows_the_target_law(v6_dflash2):
     assert chi_square_p(law, counts) > P_FAIL
     # The single path draws, seed for seed, what the batched path draws.
     chisquare.single_equals_batched(
-        v6_dflash2, 100, 13_000_000, PROMPT, PARAMS, LENGTH, setups=BLOCKS
+        v6_dflash2, 100, 13_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K
     )
 
 
@@ -387,7 +354,7 @@ def test_dflash2_sampling_on_a_hybrid_target_follows_its_law(v6_hybrid_dflash2):
     law = chisquare.exact_law(pair.target, PROMPT, PARAMS, LENGTH, VOCAB)
     assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
     assert chi_square_p(law, draw(pair, 6_000, seed0=17_000_000)) > P_FAIL
-    chisquare.single_equals_batched(pair, 100, 18_000_000, PROMPT, PARAMS, LENGTH, setups=BLOCKS)
+    chisquare.single_equals_batched(pair, 100, 18_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K)
 
 
 def test_a_dflash2_law_that_ignores_the_chain_fails_the_test(v6_dflash2, monkeypatch):

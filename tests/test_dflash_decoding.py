@@ -16,9 +16,16 @@ import json
 
 import chisquare
 import mlx.core as mx
-import mlx_lm
 import pytest
-from test_dflash import drafter_config
+from drafter_checks import (
+    MIXED_K,
+    SMALL,
+    bound_pair,
+    check_greedy_exact,
+    drafter_config,
+    greedy_requests,
+    write_spread_drafter,
+)
 from test_engine_sampling import (
     LENGTH,
     P_FAIL,
@@ -48,7 +55,6 @@ N_DRAWS = 20_000  # batched
 N_SINGLE = 1_000  # one row at a time through the single-request path, on top of ...
 N_EQUAL = 300  # ... seed-for-seed equality with the batched path
 N_MUTANT = 10_000  # a sharpened q is a subtle error: it takes more draws to show
-BLOCKS = (("model", 1), ("model", 2), ("model", 3))  # block lengths 1..3 mixed
 
 
 @pytest.fixture(scope="module")
@@ -58,21 +64,11 @@ def demo_dflash():
 
 @pytest.mark.parametrize("k", MODES)
 def test_greedy_equals_target_only_single_and_batched(demo_dflash, k):
-    pair = demo_dflash
-    requests = [
-        GenerationRequest(prompt=p, max_tokens=20 + 4 * i, num_draft_tokens=k)
-        for i, p in enumerate(PROMPTS)
-    ]
-    refs = [reference_greedy(pair, pair.tokenizer.encode(r.prompt), r.max_tokens) for r in requests]
-    single = [engine.generate(pair, r) for r in requests]
-    batched = dict(engine.generate_many(pair, requests, max_batch=2))  # rows join mid-batch
-    for i, ref in enumerate(refs):
-        assert single[i].token_ids == ref[: len(single[i].token_ids)]
-        assert batched[i].token_ids == single[i].token_ids
-    stats = [r.metrics["speculative_decoding"] for r in single]
-    assert {s["drafter"] for s in stats} == {"dflash"}
+    requests = greedy_requests(PROMPTS, k, 20, grow=4)
+    single = check_greedy_exact(demo_dflash, requests, "dflash", max_batch=2, drafted=False)
     if k != "auto":
-        assert sum(s["num_accepted_draft_tokens"] for s in stats) > 0
+        accepted = [r.metrics["speculative_decoding"]["num_accepted_draft_tokens"] for r in single]
+        assert sum(accepted) > 0
 
 
 def test_other_drafters_still_work_beside_a_dflash_draft(demo_dflash):
@@ -104,45 +100,29 @@ def test_a_hybrid_qwen3_5_target_with_a_dflash_drafter_is_exact(tmp_path):
     assert pair.dflash is not None
     ids_list = [pair.tokenizer.encode(p) for p in PROMPTS[:3]]
     for k in (1, 3, "auto"):
-        requests = [
-            GenerationRequest(prompt_ids=ids, max_tokens=16 + 3 * i, num_draft_tokens=k)
-            for i, ids in enumerate(ids_list)
-        ]
-        refs = [reference_greedy(pair, r.prompt_ids, r.max_tokens) for r in requests]
-        single = [engine.generate(pair, r).token_ids for r in requests]
-        batched = dict(engine.generate_many(pair, requests, max_batch=2))
-        for i, ref in enumerate(refs):
-            assert single[i] == ref[: len(single[i])], (k, i)
-            assert batched[i].token_ids == single[i], (k, i)
+        requests = greedy_requests(ids_list, k, 16, grow=3)
+        check_greedy_exact(pair, requests, "dflash", max_batch=2, drafted=k != "auto")
 
 
 # -- the sampling law --------------------------------------------------------------------
 def _v6_pair(tmp, target, name: str, seed: int, layers: int) -> ModelPair:
     """A 6-token target and a DFlash drafter with random weights reading its first
     `layers` layers."""
-    t_model, config = mlx_lm.utils.load_model(target)
-    mx.random.seed(seed)
-    dmodel = DFlashModel(
-        drafter_config(
-            hidden_size=16,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            num_target_layers=layers,
-            target_layer_ids=tuple(range(layers)),
-            block_size=4,
-            mask_token_id=5,
-        )
+    config = drafter_config(
+        **SMALL,
+        vocab_size=VOCAB,
+        num_target_layers=layers,
+        target_layer_ids=tuple(range(layers)),
+        mask_token_id=5,
     )
-    # The target's LM head is scaled up; a small final norm keeps the block laws spread
-    # out (far from one-hot), so a wrong q shows in the statistics.
-    dmodel.norm.weight = dmodel.norm.weight * 0.1
-    save_dflash(dmodel, tmp / "d")
-    pair = ModelPair(t_model, None, None, str(target), str(tmp / "d"), 512, VOCAB, VOCAB, name)
-    pair.dflash = load_dflash(tmp / "d", t_model, config)
-    return pair
+
+    def bind(t_model, tcfg):
+        # The target's LM head is scaled up; the drafter's small final norm keeps its block
+        # laws spread out (far from one-hot), so a wrong q shows in the statistics.
+        write_spread_drafter(tmp / "d", config, seed)
+        return load_dflash(tmp / "d", t_model, tcfg)
+
+    return bound_pair(target, str(tmp / "d"), name, bind)
 
 
 @pytest.fixture(scope="module")
@@ -154,7 +134,7 @@ def small_vocab_dflash(tmp_path_factory) -> ModelPair:
 
 def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
     """n sequences of LENGTH tokens; block lengths 1..3 mixed; rows join as others end."""
-    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=BLOCKS)
+    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=MIXED_K)
 
 
 @pytest.mark.slow
@@ -170,7 +150,7 @@ def test_dflash_sampling_follows_the_target_law(small_vocab_dflash, rows):
 def test_dflash_single_requests_draw_what_batched_rows_draw(small_vocab_dflash):
     """Seed for seed, so the single path's law is the batched path's law."""
     chisquare.single_equals_batched(
-        small_vocab_dflash, N_EQUAL, 7_000_000, PROMPT, PARAMS, LENGTH, setups=BLOCKS
+        small_vocab_dflash, N_EQUAL, 7_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K
     )
 
 

@@ -12,16 +12,22 @@ from __future__ import annotations
 
 import chisquare
 import mlx.core as mx
-import mlx_lm
 import pytest
-from test_dflash import drafter_config
-from test_dflash2 import BLOCKS, TEXTS, family_target
+from drafter_checks import (
+    MIXED_K,
+    SMALL,
+    TEXTS,
+    bound_pair,
+    check_greedy_exact,
+    drafter_config,
+    family_target,
+    greedy_requests,
+    six_token_target,
+    write_spread_drafter,
+)
 from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
-from tiny_families import build_model, tokenizer_dir
-from tiny_models import reference_greedy
 
 import engine
-from engine import GenerationRequest
 from engine.dflash import DFlashModel, load_dflash, save_dflash
 from engine.loading import ModelPair
 
@@ -70,19 +76,8 @@ def test_sliding_dflash_on_gemma3_text_is_exact_past_both_windows(gemma_pair):
     pair = gemma_pair
     ids_list = [pair.tokenizer.encode(t) for t in TEXTS]
     for k in (1, 3):
-        requests = [
-            GenerationRequest(prompt_ids=ids, max_tokens=30 + 4 * i, num_draft_tokens=k)
-            for i, ids in enumerate(ids_list)
-        ]
-        refs = [reference_greedy(pair, r.prompt_ids, r.max_tokens) for r in requests]
-        single = [engine.generate(pair, r) for r in requests]
-        batched = dict(engine.generate_many(pair, requests, max_batch=2))
-        for i, ref in enumerate(refs):
-            assert single[i].token_ids == ref[: len(single[i].token_ids)], (k, i)
-            assert batched[i].token_ids == single[i].token_ids, (k, i)
-        stats = [r.metrics["speculative_decoding"] for r in single]
-        assert {s["drafter"] for s in stats} == {"dflash"}
-        assert sum(s["num_draft_tokens"] for s in stats) > 0
+        requests = greedy_requests(ids_list, k, 30, grow=4)
+        check_greedy_exact(pair, requests, "dflash", max_batch=2)
 
 
 @pytest.fixture(scope="module")
@@ -90,40 +85,22 @@ def v6_gemma(tmp_path_factory) -> ModelPair:
     """A 6-token gemma3_text target and a sliding DFlash drafter whose window (2) is
     shorter than the texts."""
     tmp = tmp_path_factory.mktemp("v6gemma")
-    tok, _ = tokenizer_dir(tmp)
-    target = build_model(
-        tmp / "t",
-        "gemma3_text",
+    target = six_token_target(tmp, "gemma3_text")
+    config = drafter_config(
+        **SMALL,
         vocab_size=VOCAB,
-        tokenizer_from=tok,
-        hidden=16,
-        seed=11,
-        scale=2.0,
-        layers=2,
+        num_target_layers=2,
+        target_layer_ids=(0, 1),
+        mask_token_id=5,
+        layer_types=SLIDING,
+        sliding_window=2,
     )
-    t_model, tcfg = mlx_lm.utils.load_model(target)
-    mx.random.seed(23)
-    model = DFlashModel(
-        drafter_config(
-            hidden_size=16,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-            head_dim=8,
-            intermediate_size=32,
-            vocab_size=VOCAB,
-            num_target_layers=2,
-            target_layer_ids=(0, 1),
-            block_size=4,
-            mask_token_id=5,
-            layer_types=SLIDING,
-            sliding_window=2,
-        )
-    )
-    model.norm.weight = model.norm.weight * 0.1  # keeps the block laws spread out
-    save_dflash(model, tmp / "d")
-    pair = ModelPair(t_model, None, None, str(target), str(tmp / "d"), 512, VOCAB, VOCAB, "g6")
-    pair.dflash = load_dflash(tmp / "d", t_model, tcfg)
-    return pair
+
+    def bind(t_model, tcfg):
+        write_spread_drafter(tmp / "d", config, seed=23)
+        return load_dflash(tmp / "d", t_model, tcfg)
+
+    return bound_pair(target, str(tmp / "d"), "g6", bind)
 
 
 @pytest.mark.slow
@@ -131,11 +108,11 @@ def test_sliding_dflash_sampling_on_gemma3_text_follows_its_law(v6_gemma):
     law = chisquare.exact_law(v6_gemma.target, PROMPT, PARAMS, LENGTH, VOCAB)
     assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
     draws = chisquare.draw(
-        v6_gemma, 6_000, 15_000_000, PROMPT, PARAMS, LENGTH, rows=chisquare.ROWS, setups=BLOCKS
+        v6_gemma, 6_000, 15_000_000, PROMPT, PARAMS, LENGTH, rows=chisquare.ROWS, setups=MIXED_K
     )
     assert chi_square_p(law, draws) > P_FAIL
     chisquare.single_equals_batched(
-        v6_gemma, 100, 16_000_000, PROMPT, PARAMS, LENGTH, setups=BLOCKS
+        v6_gemma, 100, 16_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K
     )
 
 

@@ -7,27 +7,32 @@ do not know are refused in one line."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import chisquare
 import mlx.core as mx
-import mlx_lm
 import pytest
-from conftest import script
+from drafter_checks import (
+    MIXED_K,
+    PROMPTS,
+    bound_pair,
+    check_greedy_exact,
+    greedy_requests,
+    head_reference,
+    recorded_drafts,
+    sharpen_head_laws,
+    spec_run_drafters,
+)
 from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
-from test_mtp import PROMPTS, _recorded_drafts, head_reference
 from tiny_families import build_model, tokenizer_dir
 from tiny_heads import build_eagle3
 from tiny_models import build_llama, reference_greedy
 
 import engine
-from engine import GenerationRequest, heads
-from engine.adaptive import DraftController
+from engine import GenerationRequest
 from engine.eagle3 import load_eagle3
 from engine.loading import ModelPair
 from engine.types import ModelLoadError
 
-SETUPS = (("model", 1), ("model", 2), ("model", 3))
 #: Target ids of the 6-token target's 4-token draft vocabulary (1 and 4 are never drafted).
 SMALL_DRAFT_VOCAB = [0, 2, 3, 5]
 
@@ -65,21 +70,8 @@ def test_the_head_loads_from_its_published_layout(dirs, eagle_pair):
 
 @pytest.mark.parametrize("k", [1, 3, "auto"])
 def test_greedy_equals_target_only_single_and_batched(eagle_pair, k):
-    pair = eagle_pair
-    requests = [
-        GenerationRequest(prompt=p, max_tokens=20, temperature=0.0, num_draft_tokens=k)
-        for p in PROMPTS
-    ]
-    refs = [reference_greedy(pair, pair.tokenizer.encode(p), 20) for p in PROMPTS]
-    single = [engine.generate(pair, r) for r in requests]
-    batched = dict(engine.generate_many(pair, requests, max_batch=3))
-    for i, ref in enumerate(refs):
-        assert single[i].token_ids == ref[: len(single[i].token_ids)], (k, i)
-        assert batched[i].token_ids == single[i].token_ids, (k, i)
-    stats = [r.stats.to_dict() for r in single]
-    assert {s["drafter"] for s in stats} == {"eagle3"}
-    if k != "auto":
-        assert sum(s["num_draft_tokens"] for s in stats) > 0
+    requests = greedy_requests(PROMPTS, k, 20)
+    check_greedy_exact(eagle_pair, requests, "eagle3", max_batch=3, drafted=k != "auto")
 
 
 @pytest.fixture(scope="module")
@@ -90,16 +82,14 @@ def small_vocab_eagle(tmp_path_factory) -> ModelPair:
     head = build_eagle3(
         tmp / "h", target, aux_ids=[1, 1, 1], draft_vocab=SMALL_DRAFT_VOCAB, seed=32, scale=1.0
     )
-    t_model, config = mlx_lm.utils.load_model(target)
-    pair = ModelPair(t_model, None, None, str(target), str(head), 512, VOCAB, VOCAB, "e6")
-    pair.dflash = load_eagle3(head, t_model, config)
-    pair.controller = DraftController.for_pair(pair, calibrate=False)
-    return pair
+    return bound_pair(
+        target, str(head), "e6", lambda t, config: load_eagle3(head, t, config), controller=True
+    )
 
 
 def test_each_step_drafts_what_the_definition_drafts(small_vocab_eagle, monkeypatch):
     prompt = [1, 4, 2, 2, 5, 3, 0, 1]
-    seen, accepted = _recorded_drafts(small_vocab_eagle, prompt, 12, 3, monkeypatch)
+    seen, accepted = recorded_drafts(small_vocab_eagle, prompt, 12, 3, monkeypatch)
     assert seen == head_reference(small_vocab_eagle, prompt, 12, 3)
     assert accepted > 0
     drafted = {t for d in seen for t in d}
@@ -107,7 +97,7 @@ def test_each_step_drafts_what_the_definition_drafts(small_vocab_eagle, monkeypa
 
 
 def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
-    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=SETUPS)
+    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=MIXED_K)
 
 
 @pytest.mark.slow
@@ -116,18 +106,12 @@ def test_eagle3_sampling_follows_the_target_law(small_vocab_eagle):
     assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
     assert chi_square_p(law, draw(small_vocab_eagle, 10_000, seed0=21_000_000)) > P_FAIL
     chisquare.single_equals_batched(
-        small_vocab_eagle, 200, 22_000_000, PROMPT, PARAMS, LENGTH, setups=SETUPS
+        small_vocab_eagle, 200, 22_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K
     )
 
 
 def test_an_eagle3_law_at_the_wrong_temperature_fails_the_test(small_vocab_eagle, monkeypatch):
-    original = heads.HeadProposer.propose
-
-    def wrong_law(self, want, positions, last=None):
-        found, laws = original(self, want, positions, last)
-        return found, {k: q**4 / mx.sum(q**4, axis=-1, keepdims=True) for k, q in laws.items()}
-
-    monkeypatch.setattr(heads.HeadProposer, "propose", wrong_law)
+    sharpen_head_laws(monkeypatch)
     law = chisquare.exact_law(small_vocab_eagle.target, PROMPT, PARAMS, LENGTH, VOCAB)
     assert chi_square_p(law, draw(small_vocab_eagle, 6_000, seed0=23_000_000)) < P_FAIL
 
@@ -175,36 +159,7 @@ def test_layouts_we_do_not_know_are_refused_in_one_line(dirs, tmp_path):
 
 def test_spec_run_with_an_eagle3_head_names_the_drafter(dirs, tmp_path):
     target, head = dirs
-    jobs = tmp_path / "jobs.jsonl"
-    jobs.write_text(
-        "".join(
-            json.dumps({"custom_id": f"r{i}", "prompt": p, "max_tokens": 12, "temperature": 0})
-            + "\n"
-            for i, p in enumerate(PROMPTS[:2])
-        )
-    )
-    out = tmp_path / "results.jsonl"
-    run = subprocess.run(
-        [
-            script("spec-run"),
-            str(jobs),
-            "--target",
-            str(target),
-            "--draft",
-            str(head),
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    spec = [
-        json.loads(line)["response"]["body"]["metrics"]["speculative_decoding"]
-        for line in out.read_text().splitlines()
-    ]
-    assert len(spec) == 2 and {s["drafter"] for s in spec} == {"eagle3"}
+    assert spec_run_drafters(target, str(head), PROMPTS[:2], tmp_path) == ["eagle3", "eagle3"]
 
 
 def test_spec_doctor_names_the_eagle3_head(dirs):

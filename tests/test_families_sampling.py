@@ -17,7 +17,7 @@ from __future__ import annotations
 import chisquare
 import mlx.core as mx
 import pytest
-from tiny_families import build_model, tokenizer_dir
+from tiny_families import six_token_pair
 
 from engine.loading import ModelPair
 from engine.sampling import SamplingParams
@@ -38,31 +38,9 @@ N_MUTANT = 600
 SCALE = 2.0  # a law spread over 10-20 sequences: few draws test it well
 
 
-def _pair(tmp, family: str) -> ModelPair:
-    from mlx_lm.utils import load_model
-
-    tok, _ = tokenizer_dir(tmp)
-    over = {"sliding_window": 2} if family == "gemma3_text" else {}
-    models = []
-    for role, seed in (("t", 11), ("d", 12)):
-        path = build_model(
-            tmp / role,
-            family,
-            vocab_size=VOCAB,
-            tokenizer_from=tok,
-            hidden=16,
-            seed=seed,
-            scale=SCALE,
-            layers=2,
-            overrides=over,
-        )
-        models.append(load_model(path)[0])
-    return ModelPair(models[0], models[1], None, "t", "d", 512, VOCAB, VOCAB, family)
-
-
 @pytest.fixture(scope="module", params=["gemma3_text", "qwen3_5"])
 def pair(request, tmp_path_factory) -> ModelPair:
-    return _pair(tmp_path_factory.mktemp(request.param), request.param)
+    return six_token_pair(tmp_path_factory.mktemp(request.param), request.param, SCALE)
 
 
 def exact_law(pair: ModelPair) -> dict[tuple[int, ...], float]:

@@ -8,28 +8,33 @@ one line."""
 from __future__ import annotations
 
 import json
-import subprocess
 
 import chisquare
 import mlx.core as mx
-import mlx_lm
 import pytest
-from conftest import script
+from drafter_checks import (
+    MIXED_K,
+    PROMPTS,
+    bound_pair,
+    check_greedy_exact,
+    greedy_requests,
+    head_reference,
+    recorded_drafts,
+    sharpen_head_laws,
+    six_token_target,
+    spec_run_drafters,
+    write_greedy_jobs,
+)
 from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
 from tiny_families import build_model, tokenizer_dir
 from tiny_heads import add_mtp_head, to_hf_layout, to_shards
-from tiny_models import reference_greedy
 
 import engine
 from engine import GenerationRequest, heads, mtp
 from engine.adaptive import DraftController
-from engine.batch import SpeculativeDecoder
 from engine.loading import ModelPair
-from engine.sampling import SamplingParams
 from engine.types import ModelLoadError
 
-PROMPTS = ["def parse(line):\n    ", "import os\n", "x = [", "for i in range(10):"]
-SETUPS = (("model", 1), ("model", 2), ("model", 3))
 N_DRAWS = 10_000
 N_EQUAL = 200
 N_MUTANT = 6_000
@@ -63,100 +68,28 @@ def test_the_head_loads_from_its_published_names(tiny_dir, mtp_pair):
 
 @pytest.mark.parametrize("k", [1, 3, "auto"])
 def test_greedy_equals_target_only_single_and_batched(mtp_pair, k):
-    pair = mtp_pair
-    requests = [
-        GenerationRequest(prompt=p, max_tokens=20, temperature=0.0, num_draft_tokens=k)
-        for p in PROMPTS
-    ]
-    ids = [pair.tokenizer.encode(p) for p in PROMPTS]
-    refs = [reference_greedy(pair, i, 20) for i in ids]
-    single = [engine.generate(pair, r) for r in requests]
-    batched = dict(engine.generate_many(pair, requests, max_batch=3))
-    for i, ref in enumerate(refs):
-        assert single[i].token_ids == ref[: len(single[i].token_ids)], (k, i)
-        assert batched[i].token_ids == single[i].token_ids, (k, i)
-    stats = [r.stats.to_dict() for r in single]
-    assert {s["drafter"] for s in stats} == {"mtp"}
-    if k != "auto":
-        assert sum(s["num_draft_tokens"] for s in stats) > 0
+    requests = greedy_requests(PROMPTS, k, 20)
+    check_greedy_exact(mtp_pair, requests, "mtp", max_batch=3, drafted=k != "auto")
 
 
 # -- the head's definition, step by step ------------------------------------------------
-def head_reference(pair: ModelPair, prompt: list[int], steps: int, k: int) -> list[list[int]]:
-    """The drafts of each verify step of greedy decoding, from the definition alone: no
-    caches; the head reads (h_i, x_{i+1}) for every earlier position i, with h the
-    target's final hidden states, then chains its own outputs for drafts 2..k."""
-    drafter = pair.dflash
-    text = list(prompt)
-    seen = []
-    while len(seen) < steps:
-        with drafter.capture(pair.target) as cap:
-            logits = pair.target(mx.array([text]))
-            hidden = cap.features
-        # Pairs (h_i, x_{i+1}) for i < len(text) - 1: up to the pending (newest) token.
-        tokens, pairs_h = mx.array([text[1:]]), hidden[:, :-1]
-        if drafter.kind == "eagle3":  # its fc projects target features, not chained ones
-            pairs_h = drafter.head.fc(pairs_h)
-        drafts = []
-        for _ in range(k):
-            out = drafter.step(tokens, pairs_h, None)[:, -1:]
-            d = int(mx.argmax(drafter.logits(out[:, -1])[0]).item())
-            drafts.append(d)
-            tokens = mx.concatenate([tokens, mx.array([[d]])], axis=1)
-            pairs_h = mx.concatenate([pairs_h, out], axis=1)
-        seen.append(drafts)
-        # Accept as the target would: its argmax after the pending token and each draft.
-        with drafter.capture(pair.target):
-            logits = pair.target(mx.array([text + drafts]))
-        best = mx.argmax(logits[0, len(text) - 1 :], axis=-1).tolist()
-        n = next((i for i, d in enumerate(drafts) if d != best[i]), k)
-        text += drafts[:n] + [best[n]]
-    return seen
-
-
-def _recorded_drafts(pair, prompt, steps, k, monkeypatch) -> tuple[list, int]:
-    seen = []
-    original = heads.HeadProposer.propose
-
-    def record(self, want, positions, last=None):
-        drafts, laws = original(self, want, positions, last)
-        seen.append(drafts.get(0))
-        return drafts, laws
-
-    monkeypatch.setattr(heads.HeadProposer, "propose", record)
-    dec = SpeculativeDecoder(
-        pair, prompt, SamplingParams(0.0), num_draft_tokens=k, max_tokens=10_000
-    )
-    accepted = sum(dec.step().accepted for _ in range(steps))
-    return seen, accepted
-
-
 @pytest.fixture(scope="module")
 def small_vocab_mtp(tmp_path_factory) -> ModelPair:
     """A 6-token hybrid qwen3_5 target (gated delta-net + full attention) with an MTP head."""
-    tmp = tmp_path_factory.mktemp("v6mtp")
-    tok, _ = tokenizer_dir(tmp)
-    target = build_model(
-        tmp / "t",
-        "qwen3_5",
-        vocab_size=VOCAB,
-        tokenizer_from=tok,
-        hidden=16,
-        seed=11,
-        scale=2.0,
-        layers=2,
-    )
+    target = six_token_target(tmp_path_factory.mktemp("v6mtp"), "qwen3_5")
     add_mtp_head(target, seed=23, scale=1.0)
-    t_model, config = mlx_lm.utils.load_model(target)
-    pair = ModelPair(t_model, None, None, str(target), "mtp", 512, VOCAB, VOCAB, "m6")
-    pair.dflash = mtp.load_mtp(str(target), t_model, config)
-    pair.controller = DraftController.for_pair(pair, calibrate=False)
-    return pair
+    return bound_pair(
+        target,
+        "mtp",
+        "m6",
+        lambda model, config: mtp.load_mtp(str(target), model, config),
+        controller=True,
+    )
 
 
 def test_each_step_drafts_what_the_definition_drafts(small_vocab_mtp, monkeypatch):
     prompt = [1, 4, 2, 2, 5, 3, 0, 1]
-    seen, accepted = _recorded_drafts(small_vocab_mtp, prompt, 12, 3, monkeypatch)
+    seen, accepted = recorded_drafts(small_vocab_mtp, prompt, 12, 3, monkeypatch)
     assert seen == head_reference(small_vocab_mtp, prompt, 12, 3)
     assert accepted > 0  # the head's drafts pass, so this compares more than first drafts
 
@@ -176,14 +109,14 @@ def test_a_head_that_keeps_its_chained_entries_fails_the_step_test(small_vocab_m
 
     monkeypatch.setattr(heads.HeadProposer, "commit", keep_chained)
     prompt = [1, 4, 2, 2, 5, 3, 0, 1]
-    seen, _ = _recorded_drafts(small_vocab_mtp, prompt, 12, 3, monkeypatch)
+    seen, _ = recorded_drafts(small_vocab_mtp, prompt, 12, 3, monkeypatch)
     monkeypatch.undo()
     assert seen != head_reference(small_vocab_mtp, prompt, 12, 3)
 
 
 # -- the sampling law --------------------------------------------------------------------
 def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
-    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=SETUPS)
+    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=MIXED_K)
 
 
 @pytest.mark.slow
@@ -192,19 +125,12 @@ def test_mtp_sampling_follows_the_target_law(small_vocab_mtp):
     assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
     assert chi_square_p(law, draw(small_vocab_mtp, N_DRAWS, seed0=11_000_000)) > P_FAIL
     chisquare.single_equals_batched(
-        small_vocab_mtp, N_EQUAL, 12_000_000, PROMPT, PARAMS, LENGTH, setups=SETUPS
+        small_vocab_mtp, N_EQUAL, 12_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K
     )
 
 
 def test_an_mtp_law_at_the_wrong_temperature_fails_the_test(small_vocab_mtp, monkeypatch):
-    original = heads.HeadProposer.propose
-
-    def wrong_law(self, want, positions, last=None):
-        # Mutation: q is not the law the drafts were drawn from (sharpened).
-        found, laws = original(self, want, positions, last)
-        return found, {k: q**4 / mx.sum(q**4, axis=-1, keepdims=True) for k, q in laws.items()}
-
-    monkeypatch.setattr(heads.HeadProposer, "propose", wrong_law)
+    sharpen_head_laws(monkeypatch)
     law = chisquare.exact_law(small_vocab_mtp.target, PROMPT, PARAMS, LENGTH, VOCAB)
     assert chi_square_p(law, draw(small_vocab_mtp, N_MUTANT, seed0=13_000_000)) < P_FAIL
 
@@ -260,35 +186,7 @@ def test_a_target_family_without_mtp_heads_is_refused(tmp_path):
 
 
 def test_spec_run_with_draft_mtp_names_the_drafter(tiny_dir, tmp_path):
-    jobs = tmp_path / "jobs.jsonl"
-    jobs.write_text(
-        "".join(
-            json.dumps({"custom_id": f"r{i}", "prompt": p, "max_tokens": 12, "temperature": 0})
-            + "\n"
-            for i, p in enumerate(PROMPTS[:2])
-        )
-    )
-    out = tmp_path / "results.jsonl"
-    run = subprocess.run(
-        [
-            script("spec-run"),
-            str(jobs),
-            "--target",
-            str(tiny_dir),
-            "--draft",
-            "mtp",
-            "-o",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr
-    lines = [json.loads(line) for line in out.read_text().splitlines()]
-    assert len(lines) == 2
-    spec = [ln["response"]["body"]["metrics"]["speculative_decoding"] for ln in lines]
-    assert {s["drafter"] for s in spec} == {"mtp"}
+    assert spec_run_drafters(tiny_dir, "mtp", PROMPTS[:2], tmp_path) == ["mtp", "mtp"]
 
 
 def test_a_hugging_face_layout_checkpoint_drafts_the_same(tiny_dir, mtp_pair, tmp_path):
@@ -378,14 +276,7 @@ def test_spec_doctor_names_the_mtp_head(tiny_dir):
 
 
 def test_spec_worker_with_draft_mtp_serves_a_batch(tiny_dir, redis_env, start_worker, tmp_path):
-    jobs = tmp_path / "jobs.jsonl"
-    jobs.write_text(
-        "".join(
-            json.dumps({"custom_id": f"r{i}", "prompt": p, "max_tokens": 8, "temperature": 0})
-            + "\n"
-            for i, p in enumerate(PROMPTS[:3])
-        )
-    )
+    jobs = write_greedy_jobs(tmp_path / "jobs.jsonl", PROMPTS[:3], max_tokens=8)
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", str(jobs), "--batch-id", batch).returncode == 0
     worker = start_worker("--burst", "--target", str(tiny_dir), "--draft", "mtp", "--alias", "demo")
@@ -426,5 +317,5 @@ def test_a_prompt_longer_than_a_chunk_is_read_ahead_exactly(mtp_pair, monkeypatc
 
     vocab = mtp_pair.target_vocab
     prompt = [random.Random(3).randrange(vocab) for _ in range(heads.PREFILL_CHUNK + 90)]
-    seen, _ = _recorded_drafts(mtp_pair, prompt, 4, 3, monkeypatch)
+    seen, _ = recorded_drafts(mtp_pair, prompt, 4, 3, monkeypatch)
     assert seen == head_reference(mtp_pair, prompt, 4, 3)

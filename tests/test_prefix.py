@@ -14,7 +14,7 @@ import random
 import chisquare
 import mlx.core as mx
 import pytest
-from tiny_families import build_model, family_pair, tokenizer_dir
+from tiny_families import family_pair, six_token_pair
 from tiny_models import reference_greedy
 
 import engine
@@ -132,25 +132,7 @@ N_REUSED = 3_000
 
 
 def _small_pair(tmp, family: str) -> ModelPair:
-    from mlx_lm.utils import load_model
-
-    tok, _ = tokenizer_dir(tmp)
-    over = {"sliding_window": 2} if family == "gemma3_text" else {}
-    models = []
-    for role, seed in (("t", 11), ("d", 12)):
-        path = build_model(
-            tmp / role,
-            family,
-            vocab_size=VOCAB,
-            tokenizer_from=tok,
-            hidden=16,
-            seed=seed,
-            scale=2.0,
-            layers=2,
-            overrides=over,
-        )
-        models.append(load_model(path)[0])
-    pair = ModelPair(models[0], models[1], None, "t", "d", 512, VOCAB, VOCAB, family)
+    pair = six_token_pair(tmp, family)
     # Blocks of 3: every row reuses the first three prompt tokens and prefills one.
     pair.prefix = PairCaches(PrefixCache(BIG, block=3), PrefixCache(BIG, block=3), 2 * BIG)
     return pair

@@ -94,17 +94,7 @@ def test_end_to_end_two_workers_equal_spec_run(redis_env, start_worker, tmp_path
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = redis_env.batch_id("e2e")
 
-    local = redis_env.run(
-        "spec-run",
-        jobs,
-        "-o",
-        str(tmp_path / "local.jsonl"),
-        "--batch-id",
-        batch,
-        *PAIR_ARGS,
-        timeout=400,
-    )
-    assert local.returncode == 0, local.stderr
+    spec_run_local(redis_env, jobs, batch, tmp_path / "local.jsonl")
 
     submitted = redis_env.run("spec-submit", jobs, "--batch-id", batch)
     assert submitted.returncode == 0, submitted.stderr
@@ -265,6 +255,40 @@ def test_submitting_the_same_batch_twice_runs_each_line_once(redis_env, start_wo
     assert second == first and [r["custom_id"] for r in second] == ["r0", "r1", "r2"]
     meta = redis_env.conn.hgetall(redis_env.keys.batch(batch))
     assert (meta[b"completed"], meta.get(b"failed", b"0")) == (b"3", b"0")
+
+
+def spec_run_local(redis_env, jobs: str, batch: str, out, *extra: str):
+    """What `spec-run` writes for `jobs` on the test pair (the yardstick of the queue's
+    output), with the batch id `batch`; `extra` are more spec-run options."""
+    local = redis_env.run(
+        "spec-run", jobs, "-o", str(out), "--batch-id", batch, *extra, *PAIR_ARGS, timeout=400
+    )
+    assert local.returncode == 0, local.stderr
+    return out
+
+
+def submit_slow_and_quick(redis_env, tmp_path) -> str:
+    """A submitted batch of a long line "slow" limited to 1 s (as if derived from a tiny
+    max_tokens) and a 2-token line "quick"; returns the batch id."""
+    jobs = write_jobs(
+        tmp_path / "jobs.jsonl",
+        [{"custom_id": "slow", **LONG}, {"custom_id": "quick", "prompt": "x", "max_tokens": 2}],
+    )
+    batch = redis_env.batch_id()
+    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
+    set_line_timeout(redis_env, batch, "c:slow", 1)
+    return batch
+
+
+def only_slow_timed_out(redis_env, batch: str, tmp_path) -> list[dict]:
+    """The collected lines of `submit_slow_and_quick`'s batch, checked: "slow" a timeout
+    error line, "quick" a result."""
+    lines = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
+    assert [(x["custom_id"], x["error"] and x["error"]["code"]) for x in lines] == [
+        ("slow", "timeout"),
+        ("quick", None),
+    ]
+    return lines
 
 
 def _collect(redis_env, batch: str, path, *extra: str):

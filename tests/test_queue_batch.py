@@ -18,8 +18,10 @@ from test_queue import (
     _collect,
     comparable,
     mixed_lines,
+    only_slow_timed_out,
     read_jsonl,
-    set_line_timeout,
+    spec_run_local,
+    submit_slow_and_quick,
     write_jobs,
 )
 from test_queue_liveness import HEARTBEAT
@@ -34,19 +36,7 @@ def test_batched_workers_write_what_spec_run_writes(redis_env, start_worker, tmp
     lines = mixed_lines(40)
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = redis_env.batch_id("bat")
-    local = redis_env.run(
-        "spec-run",
-        jobs,
-        "-o",
-        str(tmp_path / "local.jsonl"),
-        "--batch-id",
-        batch,
-        "--batch",
-        "1",
-        *PAIR_ARGS,
-        timeout=400,
-    )
-    assert local.returncode == 0, local.stderr
+    spec_run_local(redis_env, jobs, batch, tmp_path / "local.jsonl", "--batch", "1")
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     workers = [start_worker("--burst", "--batch", "8", *PAIR_ARGS) for _ in range(2)]
     for w in workers:
@@ -107,20 +97,10 @@ def test_a_killed_batched_workers_jobs_all_run_again_once(
 def test_a_batched_job_past_its_timeout_fails_alone(
     redis_env, start_worker, slow_pair_args, tmp_path
 ):
-    jobs = write_jobs(
-        tmp_path / "jobs.jsonl",
-        [{"custom_id": "slow", **LONG}, {"custom_id": "quick", "prompt": "x", "max_tokens": 2}],
-    )
-    batch = redis_env.batch_id()
-    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    set_line_timeout(redis_env, batch, "c:slow", 1)
+    batch = submit_slow_and_quick(redis_env, tmp_path)
     worker = start_worker("--burst", "--batch", "4", *slow_pair_args)
     assert worker.wait(timeout=180) == 0, worker.log
-    lines = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
-    assert [(x["custom_id"], x["error"] and x["error"]["code"]) for x in lines] == [
-        ("slow", "timeout"),
-        ("quick", None),
-    ]
+    only_slow_timed_out(redis_env, batch, tmp_path)
 
 
 #: A stub worker (benchmarks/stub_worker.py) whose batched engine fails on any batch

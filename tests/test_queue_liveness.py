@@ -17,8 +17,9 @@ from test_queue import (
     _collect,
     _wait_running,
     mixed_lines,
+    only_slow_timed_out,
     read_jsonl,
-    set_line_timeout,
+    submit_slow_and_quick,
     write_jobs,
 )
 
@@ -119,20 +120,10 @@ def test_a_killed_workers_job_is_requeued_even_while_the_others_are_busy(
 def test_a_job_past_its_timeout_is_stopped_and_becomes_a_timeout_line(
     redis_env, start_worker, slow_pair_args, tmp_path
 ):
-    jobs = write_jobs(
-        tmp_path / "jobs.jsonl",
-        [{"custom_id": "slow", **LONG}, {"custom_id": "quick", "prompt": "x", "max_tokens": 2}],
-    )
-    batch = redis_env.batch_id()
-    assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    set_line_timeout(redis_env, batch, "c:slow", 1)  # as if derived from a tiny max_tokens
+    batch = submit_slow_and_quick(redis_env, tmp_path)
     worker = start_worker("--burst", *slow_pair_args)
     assert worker.wait(timeout=120) == 0, worker.log
-    lines = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
-    assert [(x["custom_id"], x["error"] and x["error"]["code"]) for x in lines] == [
-        ("slow", "timeout"),
-        ("quick", None),
-    ]
+    lines = only_slow_timed_out(redis_env, batch, tmp_path)
     assert lines[0]["error"]["message"] == "did not finish within 1 s (3 attempts)"
 
 

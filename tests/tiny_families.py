@@ -207,3 +207,35 @@ def family_pair(
             layers=2,
         )
     return engine.load_pair(t, d, calibrate=False)
+
+
+def six_token_model(path: Path, family: str, tok: Path, seed: int, scale: float = 2.0, **kw):
+    """A 2-layer, 16-wide `family` model over a 6-token vocabulary, weights scaled by
+    `scale`: the size of the models whose sampling law the chi-square tests enumerate."""
+    return build_model(
+        path,
+        family,
+        vocab_size=6,
+        tokenizer_from=tok,
+        hidden=16,
+        seed=seed,
+        scale=scale,
+        layers=2,
+        **kw,
+    )
+
+
+def six_token_pair(tmp: Path, family: str, scale: float = 2.0):
+    """A target (seed 11) and a draft (seed 12) `six_token_model` of `family` (gemma3_text
+    with a window of 2), named `family`, paths "t" and "d"."""
+    from mlx_lm.utils import load_model
+
+    from engine.loading import ModelPair
+
+    tok, _ = tokenizer_dir(tmp)
+    over = {"sliding_window": 2} if family == "gemma3_text" else {}
+    models = [
+        load_model(six_token_model(tmp / role, family, tok, seed, scale, overrides=over))[0]
+        for role, seed in (("t", 11), ("d", 12))
+    ]
+    return ModelPair(models[0], models[1], None, "t", "d", 512, 6, 6, family)
