@@ -423,7 +423,8 @@ def test_n_choices_each_equal_the_request_alone_with_its_derived_seed(pair):
 
 
 def _kind_pair(kind: str, tmp):
-    from test_dflash2 import dflash2_config, family_target, write_drafter
+    from drafter_checks import family_target
+    from test_dflash2 import dflash2_config, write_drafter
     from tiny_families import build_model, tokenizer_dir
     from tiny_heads import add_mtp_head, build_eagle3
 
