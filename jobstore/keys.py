@@ -9,12 +9,15 @@ With P = SPEC_KEY_PREFIX (default "specfleet"), B a batch id, A a model alias:
                                sd:<counter>, sd:hist:<i>, sd:dpp:<i>, sd:app:<i>,
                                sd:drafter:<name>, audit_checked, audit_mismatches)
     P:batch:B:requests   hash  line key -> the validated line (JobLine record, JSON, with
-                               the number of its job and its timeout); deleted once the
-                               line has a result, kept with an error line (spec-retry)
+                               the number of its job, its timeout and its request's
+                               digest); deleted once the line has a result, kept with an
+                               error line (spec-retry)
     P:batch:B:order      zset  line key -> line number (every line, valid or not)
-    P:batch:B:hashes     hash  line key -> a short hash of the request it was queued with
-                               (kept after its answer: a re-submit compares it)
-    P:batch:B:results    hash  line key -> result line (jobstore.lines.pack), written once
+    P:batch:B:hashes     hash  line key -> a short hash of the request it was queued with,
+                               written by spec-submit before the digest went into the
+                               request record and the stored result; only read now
+    P:batch:B:results    hash  line key -> result line (jobstore.lines.pack, after its
+                               request's digest: a re-submit compares it), written once
     P:batch:B:errors     hash  line key -> error line (jobstore.lines.pack), written once
     P:batch:B:done       list  line keys in the order their line was written
     P:batch:B:workers    hash  "<counter>:<worker>" -> per-worker counters of this batch

@@ -29,7 +29,7 @@ from redis.commands.core import Script
 from contract.stats import counters_of_line, from_fields, summary, to_fields
 from jobstore import config
 from jobstore.keys import Keys, custom_id_of
-from jobstore.lines import cached_tokens, dumps, error_line, pack
+from jobstore.lines import DIGEST_BYTES, PACKED_V2, cached_tokens, dumps, error_line, pack
 
 log = logging.getLogger("specfleet.store")
 
@@ -47,12 +47,14 @@ class _Lua:
 _STORE = _Lua(
     """
 -- KEYS: 1 meta, 2 results, 3 errors, 4 done, 5 batch workers, 6 worker stats,
---       7 order, 8 requests, 9 submitting flag, 10 request hashes (for its TTL)
+--       7 order, 8 requests, 9 submitting flag
 -- ARGV: 1 now, 2 worker ('' = none), 3 ttl seconds when the batch sets none (0 = none),
 --       then per line: line key, 'result'|'error', stored line, n, n counter name /
 --       increment pairs
 -- Returns {1 if the batch is cancelled else 0, then per line 1 if this call stored it},
 -- or {2} when the batch has no record (created_at): Redis lost it; nothing is stored.
+-- A line is stored when its key has neither a result nor an error line (nor came
+-- earlier in this call): two HMGETs and an HSET per call, not two commands per line.
 if redis.call('HEXISTS', KEYS[1], 'created_at') == 0 then return {2} end
 local now, worker = ARGV[1], ARGV[2]
 local names, sums, at = {'completed', 'failed'}, {0, 0}, {completed = 1, failed = 2}
@@ -64,23 +66,37 @@ local function bump(name, n)
   end
   sums[at[name]] = sums[at[name]] + n
 end
-local out, written, answered = {0}, {}, {}
+local starts, line_keys = {}, {}
 local i = 4
 while i <= #ARGV do
-  local key, ok, n = ARGV[i], ARGV[i + 1] == 'result', tonumber(ARGV[i + 3])
-  local target, other = KEYS[3], KEYS[2]
-  if ok then target, other = KEYS[2], KEYS[3] end
+  starts[#starts + 1] = i
+  line_keys[#line_keys + 1] = ARGV[i]
+  i = i + 4 + 2 * tonumber(ARGV[i + 3])
+end
+if #line_keys == 0 then return {0} end
+local has_result = redis.call('HMGET', KEYS[2], unpack(line_keys))
+local has_error = redis.call('HMGET', KEYS[3], unpack(line_keys))
+local out, written, answered, results, errors, seen = {0}, {}, {}, {}, {}, {}
+for j, p in ipairs(starts) do
+  local key, ok, n = ARGV[p], ARGV[p + 1] == 'result', tonumber(ARGV[p + 3])
   local stored = 0
-  if redis.call('HEXISTS', other, key) == 0 and redis.call('HSETNX', target, key, ARGV[i + 2]) == 1 then
-    stored = 1
+  if not has_result[j] and not has_error[j] and not seen[key] then
+    stored, seen[key] = 1, true
     written[#written + 1] = key
-    if ok then answered[#answered + 1] = key end
+    local into = errors
+    if ok then
+      answered[#answered + 1] = key
+      into = results
+    end
+    into[#into + 1] = key
+    into[#into + 1] = ARGV[p + 2]
     bump(ok and 'completed' or 'failed', 1)
-    for j = i + 4, i + 3 + 2 * n, 2 do bump(ARGV[j], tonumber(ARGV[j + 1])) end
+    for c = p + 4, p + 3 + 2 * n, 2 do bump(ARGV[c], tonumber(ARGV[c + 1])) end
   end
   out[#out + 1] = stored
-  i = i + 4 + 2 * n
 end
+if #results > 0 then redis.call('HSET', KEYS[2], unpack(results)) end
+if #errors > 0 then redis.call('HSET', KEYS[3], unpack(errors)) end
 if #written == 0 then
   out[1] = redis.call('HEXISTS', KEYS[1], 'cancelled')
   return out
@@ -130,7 +146,9 @@ if new[1] + new[2] >= redis.call('ZCARD', KEYS[7]) and redis.call('EXISTS', KEYS
 end
 local ttl = tonumber(meta[1] or ARGV[3])
 if ttl > 0 then
-  for _, k in ipairs({1, 2, 3, 4, 5, 7, 8, 10}) do redis.call('EXPIRE', KEYS[k], ttl) end
+  for k = 1, 8 do
+    if k ~= 6 then redis.call('EXPIRE', KEYS[k], ttl) end
+  end
 end
 out[1] = meta[2] and 1 or 0
 return out
@@ -139,14 +157,23 @@ return out
 
 _CLASSIFY = _Lua(
     """#!lua flags=no-writes
--- KEYS: 1 results, 2 errors, 3 requests
--- ARGV: 1 'rq:job:<batch>-j' (a job number completes it), 2.. line keys
--- -> per key: 'done' (has a result), 'error' (has an error line), 'pending' (the job
---    its request record names is queued or running) or 'new'
-local out = {}
-for i = 2, #ARGV do
-  local k, s = ARGV[i], 'new'
-  if redis.call('HEXISTS', KEYS[1], k) == 1 then s = 'done'
+-- KEYS: 1 results, 2 errors, 3 requests, 4 request hashes (what spec-submit wrote before
+--       digests went into records and results; read only for a line without one)
+-- ARGV: 1 'rq:job:<batch>-j' (a job number completes it), 2 the first byte of a result
+--       that carries its request's digest, 3 the digest's length, 4.. line keys
+-- -> per key two values: 'done' (has a result), 'error' (has an error line), 'pending'
+--    (the job its request record names is queued or running) or 'new'; then the digest
+--    of the request it was answered or queued with ('done' and 'pending'; nil: unknown)
+local out, tag, width = {}, ARGV[2], tonumber(ARGV[3])
+local function hex(bytes)
+  return (string.gsub(bytes, '.', function(c) return string.format('%02x', string.byte(c)) end))
+end
+for i = 4, #ARGV do
+  local k, s, d = ARGV[i], 'new', false
+  local result = redis.call('HGET', KEYS[1], k)
+  if result then
+    s = 'done'
+    if string.sub(result, 1, 1) == tag then d = hex(string.sub(result, 2, 1 + width)) end
   elseif redis.call('HEXISTS', KEYS[2], k) == 1 then s = 'error'
   else
     local rec = redis.call('HGET', KEYS[3], k)
@@ -157,11 +184,14 @@ for i = 2, #ARGV do
         local st = redis.call('HGET', ARGV[1] .. string.format('%d', job), 'status')
         if st == 'queued' or st == 'started' or st == 'deferred' or st == 'scheduled' then
           s = 'pending'
+          if type(decoded['digest']) == 'string' then d = decoded['digest'] end
         end
       end
     end
   end
+  if (s == 'done' or s == 'pending') and not d then d = redis.call('HGET', KEYS[4], k) end
   out[#out + 1] = s
+  out[#out + 1] = d
 end
 return out
 """
@@ -253,16 +283,25 @@ return n
 )
 
 
-_READ_REQUESTS = _Lua(
+_READ_JOB = _Lua(
     """#!lua flags=no-writes
--- KEYS: 1 requests; ARGV: 1 largest record read, 2.. line keys
--- -> per key: its record, its size when larger than ARGV[1] (not read), or nil
-local out, limit = {}, tonumber(ARGV[1])
-for i = 2, #ARGV do
-  local size = redis.call('HSTRLEN', KEYS[1], ARGV[i])
-  if size > limit then out[i - 1] = size
-  elseif size > 0 then out[i - 1] = redis.call('HGET', KEYS[1], ARGV[i])
-  else out[i - 1] = false end
+-- KEYS: 1 requests, 2 errors, 3 meta; ARGV: 1 largest record sent, 2.. line keys
+-- -> {1 if the batch is cancelled else 0, 1 if it has its record (created_at) else 0,
+--     then per key: its request record, or its size when larger than ARGV[1] (never
+--     sent), or nil when it has none (answered) or has an error line}
+-- Three HMGETs whatever the number of lines (a record over the limit is copied inside
+-- Redis once, to measure it, and not sent).
+local limit = tonumber(ARGV[1])
+local meta = redis.call('HMGET', KEYS[3], 'cancelled', 'created_at')
+local out = {meta[1] and 1 or 0, meta[2] and 1 or 0}
+if #ARGV < 2 then return out end
+local records = redis.call('HMGET', KEYS[1], unpack(ARGV, 2))
+local errors = redis.call('HMGET', KEYS[2], unpack(ARGV, 2))
+for i = 1, #ARGV - 1 do
+  local record = records[i]
+  if not record or errors[i] then out[i + 2] = false
+  elseif #record > limit then out[i + 2] = #record
+  else out[i + 2] = record end
 end
 return out
 """
@@ -295,12 +334,15 @@ class Stored(NamedTuple):
 
 
 class LineToStore(NamedTuple):
-    """One line for `put_lines`: its key, its JSON, result (ok) or error, its counters."""
+    """One line for `put_lines`: its key, its JSON, result (ok) or error, its counters,
+    and the digest of the request it answers (kept with a result: a re-submit compares
+    it)."""
 
     key: str
     line_json: str
     ok: bool
     counters: dict[str, int] | None = None
+    digest: str | None = None
 
 
 def store_line(
@@ -346,13 +388,14 @@ def put_lines(
     pipeline."""
     limit = config.max_result_bytes()
     args: list = [f"{time.time():.3f}", worker or "", int(ttl_s)]
-    for key, line_json, ok, counters in lines:
+    for key, line_json, ok, counters, digest in lines:
         size = len(line_json.encode("utf-8"))
         if size > limit:
             line_json = _oversized(conn, keys, batch_id, key, line_json, size, limit)
             ok, counters = False, None
         pairs = [x for name, n in (counters or {}).items() if n for x in (name, int(n))]
-        args += [key, "result" if ok else "error", pack(line_json), len(pairs) // 2, *pairs]
+        packed = pack(line_json, digest if ok else None)
+        args += [key, "result" if ok else "error", packed, len(pairs) // 2, *pairs]
     script_keys = [
         keys.batch(batch_id),
         keys.results(batch_id),
@@ -363,7 +406,6 @@ def put_lines(
         keys.order(batch_id),
         keys.requests(batch_id),
         keys.submitting(batch_id),
-        keys.hashes(batch_id),
     ]
     out = _STORE(conn, script_keys, args)
     if isinstance(out, list):
@@ -405,21 +447,41 @@ def line_number(conn: Redis, keys: Keys, batch_id: str, line_key: str, record=No
     return int(conn.zscore(keys.order(batch_id), line_key) or 0)
 
 
-def classify(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]) -> list[str]:
-    """For each line key: 'done', 'error', 'pending' or 'new' (one atomic look)."""
+def classify(
+    conn: Redis, keys: Keys, batch_id: str, line_keys: list[str]
+) -> tuple[list[str], list[str | None]]:
+    """For each line key: 'done', 'error', 'pending' or 'new', and the digest of the
+    request a 'done' or 'pending' line was answered or queued with (None when unknown:
+    queued before digests were kept, or another state), in one atomic look."""
     if not line_keys:
-        return []
-    script_keys = [keys.results(batch_id), keys.errors(batch_id), keys.requests(batch_id)]
-    job_prefix = keys.rq_job(f"{batch_id}-j")
-    out = _CLASSIFY(conn, script_keys, [job_prefix, *line_keys])
-    return [s.decode() if isinstance(s, bytes) else s for s in out]
+        return [], []
+    script_keys = [
+        keys.results(batch_id),
+        keys.errors(batch_id),
+        keys.requests(batch_id),
+        keys.hashes(batch_id),
+    ]
+    args = [keys.rq_job(f"{batch_id}-j"), PACKED_V2, DIGEST_BYTES, *line_keys]
+    found = _CLASSIFY(conn, script_keys, args)
+    out = [x.decode(errors="replace") if isinstance(x, bytes) else x for x in found]
+    return out[0::2], out[1::2]
 
 
-def read_requests(conn, keys: Keys, batch_id: str, line_keys: list[str], limit: int):
-    """The request records of these lines: bytes, None where there is none, or the size
-    (an int) of one over `limit` bytes, which is never sent (on a pipeline: with its
-    execute())."""
-    return _READ_REQUESTS(conn, [keys.requests(batch_id)], [limit, *line_keys])
+class JobRead(NamedTuple):
+    """What `read_job` found: the batch's cancel flag, whether it has its record, and
+    per line key its request record (bytes), None (answered, or it has an error line)
+    or the size of a record over the limit (an int: never sent)."""
+
+    cancelled: bool
+    known: bool
+    records: list[bytes | int | None]
+
+
+def read_job(conn: Redis, keys: Keys, batch_id: str, line_keys: list[str], limit: int) -> JobRead:
+    """A job's lines still to run, in one call of three HMGETs (see JobRead)."""
+    script_keys = [keys.requests(batch_id), keys.errors(batch_id), keys.batch(batch_id)]
+    out = _READ_JOB(conn, script_keys, [limit, *line_keys])
+    return JobRead(bool(out[0]), bool(out[1]), out[2:])
 
 
 def count_unanswered(conn, keys: Keys, batch_id: str, line_keys: list[str]):

@@ -51,13 +51,17 @@ class Queued:
         return cls(key, job.line, job.custom_id, model, timeout, dumps(record), digest, rows)
 
     def stored(self, job: int) -> str:
-        """The request record as stored in Redis: with its job's number and its timeout."""
-        return f'{self.record[:-1]},"job":{job},"timeout":{self.timeout}}}'
+        """The request record as stored in Redis: with its job's number, its timeout and
+        its digest (the worker keeps the digest with the result; a re-submit compares
+        it)."""
+        digest = f',"digest":"{self.digest}"' if self.digest else ""
+        return f'{self.record[:-1]},"job":{job},"timeout":{self.timeout}{digest}}}'
 
 
 def request_digest(record: dict) -> str:
     """A short hash of what a line asks for (its request record without its line number,
-    so a line that only moved is the same line); kept per line in the batch."""
+    so a line that only moved is the same line): in its stored record while queued, with
+    its result once answered (jobstore.lines.pack)."""
     asked = {k: v for k, v in record.items() if k != "line"}
     return hashlib.blake2b(dumps(asked).encode(), digest_size=8).hexdigest()
 

@@ -245,17 +245,17 @@ def _enqueue_file(
         apply_ttl(conn, keys, batch_id, ttl)
 
 
-def _changed_in(conn, keys, batch_id, chunk, states) -> list[tuple[int, str]]:
+def _changed_in(chunk, states, digests) -> list[tuple[int, str]]:
     """(index in chunk, state) of the chunk's lines that are answered ('done') or queued
-    or running ('pending') with a request other than the one they have now."""
-    known = conn.hmget(keys.hashes(batch_id), [e.key for e in chunk])
+    or running ('pending') with a request other than the one they have now (`states`
+    and `digests` from store.classify)."""
     return [
         (i, state)
-        for i, (entry, old, state) in enumerate(zip(chunk, known, states, strict=True))
+        for i, (entry, old, state) in enumerate(zip(chunk, digests, states, strict=True))
         if state in ("done", "pending")
         and isinstance(entry, Queued)
         and old is not None
-        and old.decode() != entry.digest
+        and old != entry.digest
     ]
 
 
@@ -265,8 +265,8 @@ def _check_changed(conn, keys, batch_id: str, lines, changed: str) -> None:
     found: dict[str, list[str]] = {"done": [], "pending": []}
     counts = {"done": 0, "pending": 0}
     for chunk in _chunks(lines, config.CHUNK_LINES):
-        states = store.classify(conn, keys, batch_id, [e.key for e in chunk])
-        for i, state in _changed_in(conn, keys, batch_id, chunk, states):
+        states, digests = store.classify(conn, keys, batch_id, [e.key for e in chunk])
+        for i, state in _changed_in(chunk, states, digests):
             counts[state] += 1
             if len(found[state]) < 3:
                 found[state].append(chunk[i].custom_id)
@@ -358,10 +358,10 @@ def _enqueue_chunk(plan: QueuePlan, chunk: list[Queued | Rejected], total: Submi
     if plan.fresh:
         states = ["new"] * len(chunk)
     else:
-        states = store.classify(conn, keys, batch_id, line_keys)
+        states, digests = store.classify(conn, keys, batch_id, line_keys)
     report = SubmitReport(batch_id)  # this chunk's counts, added to `total` once written
     if not plan.fresh:
-        changed = _changed_in(conn, keys, batch_id, chunk, states)
+        changed = _changed_in(chunk, states, digests)
         if plan.changed == "rerun":
             # Answers of changed lines go (counters taken off); the lines are then new.
             # (Changed lines still queued or running were refused before any write.)
@@ -434,17 +434,12 @@ def queue_lines(plan: QueuePlan, runs: dict[str, list[Queued]], pipe) -> None:
         pipe.delete(keys.rq_job(stale_job))
         pipe.zrem(keys.rq_failed(alias), stale_job)
     records: dict[str, str] = {}
-    digests: dict[str, str] = {}
     datas: dict[str, list] = {}
     for number, (alias, lines) in enumerate(groups, last - len(groups) + 1):
         for entry in lines:
             records[entry.key] = entry.stored(number)
-            if entry.digest:
-                digests[entry.key] = entry.digest
         datas.setdefault(alias, []).append(_job_data(batch_id, number, lines, plan.ttl))
     pipe.hset(keys.requests(batch_id), mapping=records)
-    if digests:
-        pipe.hset(keys.hashes(batch_id), mapping=digests)
     pipe.hset(keys.batch(batch_id), mapping={f"model:{a}": 1 for a in runs})
     pipe.hdel(keys.batch(batch_id), "completed_at", "cancelled")
     for alias, alias_datas in datas.items():

@@ -132,10 +132,10 @@ $lint_ok || die "lint failed; \`ruff check --fix . && ruff format .\` fixes most
 workers="${SPEC_TEST_WORKERS:-2}"
 parallel=""
 if [ "$workers" != 1 ]; then parallel="-n $workers"; fi
-say "pytest $parallel ${*:-}"
+say "pytest --durations=15 $parallel ${*:-}"
 rc=0
 # shellcheck disable=SC2086
-"$python" -m pytest -q $parallel ${1+"$@"} || rc=$?
+"$python" -m pytest -q --durations=15 $parallel ${1+"$@"} || rc=$?
 case "$rc" in
 0) say "all passed" ;;
 5)

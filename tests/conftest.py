@@ -45,6 +45,68 @@ def stored(raw: bytes) -> dict:
     return json.loads(unpack(raw, 1 << 26))
 
 
+class Pace:
+    """How many times slower than idle this machine runs now, as the tests see it, from
+    two measurements: a short computing child's wall time over its CPU time (taken once,
+    on the first deadline asked for: 1 on an idle machine, ~4 with two heavy processes
+    on each of 2 cores), and the slowest start of a spec-worker so far (launch to RQ's
+    "Listening on": imports, the pair's load, registration) over IDLE_START_S, its start
+    on an idle 2-core machine. The larger, between 1 and MAX_FACTOR. Every deadline of a
+    wait on a real process is scaled by it (`scaled`): a suite beside heavy processes
+    gets the time it needs, and a hung wait on an idle machine still fails fast."""
+
+    #: A spec-worker's start on an idle 2-core x86_64 machine (the tests' tiny pairs).
+    IDLE_START_S = 4.0
+    MAX_FACTOR = 8.0
+    factor = 1.0
+    calibrated = False
+
+    @classmethod
+    def note(cls, slowdown: float) -> None:
+        cls.factor = min(cls.MAX_FACTOR, max(cls.factor, slowdown))
+
+    @classmethod
+    def note_start(cls, seconds: float) -> None:
+        """A worker took `seconds` from launch to "Listening on"."""
+        cls.note(seconds / cls.IDLE_START_S)
+
+    @classmethod
+    def calibrate(cls) -> None:
+        """Wall time over CPU time of a child that computes for ~0.3 s of CPU: the share
+        of a core a process gets now."""
+        cls.calibrated = True
+        started = time.monotonic()
+        proc = subprocess.Popen([sys.executable, "-c", "sum(range(20_000_000))"])
+        _, _, usage = os.wait4(proc.pid, 0)
+        cpu = usage.ru_utime + usage.ru_stime
+        if cpu > 0.05:
+            cls.note((time.monotonic() - started) / cpu)
+
+
+def scaled(seconds: float) -> float:
+    """A deadline of `seconds` on an idle machine, for this machine as it runs now."""
+    if not Pace.calibrated:
+        Pace.calibrate()
+    return seconds * Pace.factor
+
+
+def wait_until(predicate, timeout: float, what: str, poll: float = 0.05):
+    """The first true value of `predicate()`, polled every `poll` s; fails after
+    `timeout` seconds scaled to the machine's pace (Pace), saying what it waited for."""
+    allowed = scaled(timeout)
+    deadline = time.monotonic() + allowed
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(
+                f"timed out after {allowed:.0f} s ({timeout} s scaled by the machine's "
+                f"pace {Pace.factor:.1f}) waiting for {what}"
+            )
+        time.sleep(poll)
+
+
 def script(name: str) -> str:
     """Path of one of this project's console scripts in the running environment."""
     path = BIN / name
@@ -110,13 +172,13 @@ class RedisEnv:
 
     def run(self, *args: str, timeout: float = 120, **kwargs) -> subprocess.CompletedProcess:
         """Run a console script to completion; stdout and stderr captured as text
-        (`env=` replaces the test's environment)."""
+        (`env=` replaces the test's environment; `timeout` is scaled to the pace)."""
         return subprocess.run(
             [script(args[0]), *args[1:]],
             env=kwargs.pop("env", self.env),
             capture_output=True,
             text=True,
-            timeout=timeout,
+            timeout=scaled(timeout),
             **kwargs,
         )
 
@@ -143,18 +205,43 @@ SLEEPY = Path(__file__).resolve().parent / "sleepy"
 STEP_SLEEP_S = 0.015
 #: Target folders of the slow pairs built this session (worker_env looks for them).
 SLOW_TARGETS: set[str] = set()
+#: Target folders of the busy pairs: their workers skip "auto"'s start-up timing (sleepy).
+BUSY_TARGETS: set[str] = set()
+
+
+@dataclass
+class Hold:
+    """A file that, while it exists, holds every decode step of the slow pair's workers
+    started with `env` (tests/sleepy): their jobs then run until the test lets them go,
+    whatever the machine's speed, instead of racing the test's polling."""
+
+    path: Path
+
+    @property
+    def env(self) -> dict:
+        return {"SPEC_TEST_HOLD": str(self.path)}
+
+    def hold(self) -> None:
+        self.path.touch()
+
+    def release(self) -> None:
+        self.path.unlink(missing_ok=True)
 
 
 def worker_env(env: dict, args) -> dict:
     """The environment of a spec-worker started with `args`: a worker that serves the
     slow pair waits STEP_SLEEP_S in every decode step, so its jobs are long by waiting
-    and leave the CPU to the tests running beside them. The start-up acceptance check
-    is skipped (up to a second a worker) unless a test's env asks for it."""
+    and leave the CPU to the tests running beside them; one that serves the busy pair
+    skips "auto"'s start-up timing of the pair's passes (a minute of CPU when busy). The
+    start-up acceptance check is skipped (up to a second a worker) unless a test's env
+    asks for it."""
     env = {"SPEC_ACCEPTANCE_CHECK": "0", **env}
-    if not SLOW_TARGETS.intersection(args):
-        return env
     path = os.pathsep.join(p for p in (str(SLEEPY), env.get("PYTHONPATH", "")) if p)
-    return dict(env, PYTHONPATH=path, SPEC_TEST_STEP_SLEEP_S=str(STEP_SLEEP_S))
+    if SLOW_TARGETS.intersection(args):
+        return dict(env, PYTHONPATH=path, SPEC_TEST_STEP_SLEEP_S=str(STEP_SLEEP_S))
+    if BUSY_TARGETS.intersection(args):  # computes, but skips the start-up timing
+        return dict(env, PYTHONPATH=path, SPEC_TEST_STATIC_COSTS="1")
+    return env
 
 
 def random_pair(root: Path, hidden: int, layers: int) -> list[str]:
@@ -204,7 +291,9 @@ def busy_pair_args(tmp_path_factory) -> list[str]:
     """Like slow_pair_args, but slow by computing (a 768-wide, 6-layer target, over 10 ms
     per token on a CPU): for the tests of what a worker does while its job keeps the
     CPU busy."""
-    return random_pair(tmp_path_factory.mktemp("busy-pair"), hidden=768, layers=6)
+    args = random_pair(tmp_path_factory.mktemp("busy-pair"), hidden=768, layers=6)
+    BUSY_TARGETS.add(args[1])
+    return args
 
 
 class WorkerProcess:
@@ -213,6 +302,8 @@ class WorkerProcess:
     def __init__(self, env: RedisEnv, log_path: Path, *args: str):
         self.log_path = log_path
         self._log = open(log_path, "wb")
+        self.launched = time.monotonic()
+        self.start_s: float | None = None  # launch to "Listening on", once seen
         self.proc = subprocess.Popen(
             [script("spec-worker"), *args],
             env=worker_env(env.env, args),
@@ -227,22 +318,32 @@ class WorkerProcess:
         return self.log_path.read_text(errors="replace")
 
     def wait(self, timeout: float) -> int:
+        """Its exit code; fails after `timeout` s scaled to the machine's pace."""
+        allowed = scaled(timeout)
         try:
-            return self.proc.wait(timeout=timeout)
+            return self.proc.wait(timeout=allowed)
         except subprocess.TimeoutExpired as exc:
             log = self.log
             self.stop()
-            raise AssertionError(f"spec-worker still running after {timeout} s:\n{log}") from exc
+            raise AssertionError(
+                f"spec-worker still running after {allowed:.0f} s ({timeout} s scaled):\n{log}"
+            ) from exc
 
     def signal(self, signum: int = signal.SIGTERM) -> None:
         self.proc.send_signal(signum)
 
     def wait_for_log(self, text: str, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
+        """Until the log has `text` (fails after `timeout` s scaled to the pace, or when
+        the worker exits). Waiting for "Listening on" measures the worker's start for
+        Pace."""
+        deadline = time.monotonic() + scaled(timeout)
         while text not in self.log:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise AssertionError(f"never logged {text!r}:\n{self.log}")
             time.sleep(0.05)
+        if text == "Listening on" and self.start_s is None:
+            self.start_s = time.monotonic() - self.launched
+            Pace.note_start(self.start_s)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -24,7 +24,7 @@ import uuid
 from pathlib import Path
 
 import pytest
-from conftest import PAIR_ARGS, RedisEnv, WorkerProcess, script, stored
+from conftest import PAIR_ARGS, RedisEnv, WorkerProcess, scaled, script, stored, wait_until
 from redis import Redis
 from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
@@ -93,7 +93,7 @@ class RedisServer:
         with open(self.dir / "stderr.log", "wb") as stderr:
             self.proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr)
         conn = self.client()
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + scaled(timeout)
         while True:
             try:
                 if conn.ping():
@@ -189,17 +189,6 @@ def _running(redis_env, batch: str) -> dict[str, str]:
     return out
 
 
-def _wait_until(predicate, timeout: float, what: str, poll: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(poll)
-
-
 def _done(redis_env, batch: str) -> int:
     keys = redis_env.keys
     return redis_env.conn.hlen(keys.results(batch)) + redis_env.conn.hlen(keys.errors(batch))
@@ -242,7 +231,7 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
     # is slack for a loaded 2-core machine, where the reaping thread waits for the CPU
     # (7 s seen in CI, more with other test suites running). Still far below the job
     # timeout (minutes) and RQ's 420 s.
-    bound = ttl + 1 + 2 * interval + 20.0
+    bound = ttl + 1 + 2 * interval + scaled(20.0)
     n, kills, per_job = 200, 3, 4
     prompts = ["def parse(text):", "import os\n", "class Stack:", "for i in range(10):"]
     lines = [
@@ -284,7 +273,7 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
     requeue_s, killed_lines, done_before = [], [], 0
     seen: set[str] = set()
     for _ in range(kills):
-        victim_job, victim, keys = _wait_until(
+        victim_job, victim, keys = wait_until(
             lambda: half_done(seen),
             timeout=120,
             what="a worker half way through a job",
@@ -299,7 +288,7 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
         done_before += per_job - len(left)
         # Re-queued (a retry used) by the reaper of a worker that is itself busy: no
         # replacement is started until then, and the queue never ran dry.
-        _wait_until(
+        wait_until(
             lambda job=victim_job: _job_of(redis_env, batch, job).get("retries_left") == "1",
             timeout=bound + 5,
             what=f"job {victim_job} to be re-queued",
@@ -310,7 +299,7 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
         killed_lines += left
         start()
 
-    _wait_until(lambda: _done(redis_env, batch) >= n, timeout=180, what="the batch", poll=0.2)
+    wait_until(lambda: _done(redis_env, batch) >= n, timeout=180, what="the batch", poll=0.2)
     for w in live.values():
         w.signal(signal.SIGTERM)
     for w in live.values():
@@ -365,16 +354,16 @@ def test_a_redis_restart_mid_batch_loses_nothing(private_redis, slow_pair_args, 
             stderr=subprocess.STDOUT,
         )
     try:
-        _wait_until(lambda: _done(env, batch) >= 6, timeout=120, what="some lines done")
+        wait_until(lambda: _done(env, batch) >= 6, timeout=120, what="some lines done")
         done_before = _done(env, batch)
         server.stop()
         # Down until the submitter and both workers have met the outage and backed off.
         logs = [lambda: submit_log.read_text(errors="replace")] + [
             lambda w=w: w.log for w in workers
         ]
-        _wait_until(lambda: all(where in log() for log in logs), 60, "everyone to notice")
+        wait_until(lambda: all(where in log() for log in logs), 60, "everyone to notice")
         server.start()
-        assert submit.wait(timeout=180) == 0, submit_log.read_text()
+        assert submit.wait(timeout=scaled(180)) == 0, submit_log.read_text()
     finally:
         if submit.poll() is None:
             submit.kill()
@@ -517,7 +506,9 @@ def _run_measured(env: RedisEnv, args: list[str], tmp_path: Path) -> tuple[int, 
     """Run a console script; (exit code, stderr, peak RSS in MB of that process alone)."""
     out, err = tmp_path / "cmd.out", tmp_path / "cmd.err"
     command = [sys.executable, "-c", _MEASURE, str(out), str(err), script(args[0]), *args[1:]]
-    launcher = subprocess.run(command, env=env.env, capture_output=True, text=True, timeout=300)
+    launcher = subprocess.run(
+        command, env=env.env, capture_output=True, text=True, timeout=scaled(300)
+    )
     assert launcher.returncode == 0, launcher.stderr
     code, rss_kib = map(int, launcher.stdout.split())
     return code, err.read_text(errors="replace"), rss_kib / 1024
@@ -606,11 +597,11 @@ def test_a_job_delivered_twice_stores_one_result_and_counts_its_tokens_once(
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     a_name, b_name = f"{redis_env.prefix}-a", f"{redis_env.prefix}-b"
     a = start_worker("--name", a_name, *slow_pair_args)
-    _wait_until(lambda: _running(redis_env, batch), timeout=60, what="A to start the job")
+    wait_until(lambda: _running(redis_env, batch), timeout=60, what="A to start the job")
     a.signal(signal.SIGSTOP)
     try:
         b = start_worker("--name", b_name, *slow_pair_args)
-        _wait_until(
+        wait_until(
             lambda: b_name in _running(redis_env, batch).values(),
             timeout=60,
             what="B to take the abandoned job",
@@ -619,11 +610,11 @@ def test_a_job_delivered_twice_stores_one_result_and_counts_its_tokens_once(
         a.signal(signal.SIGCONT)
     key = "c:twice"
     ran = f"{batch} line 1 (twice): 120 tokens"  # the job's own log line, once per run
-    _wait_until(lambda: ran in a.log and ran in b.log, timeout=120, what="both runs", poll=0.1)
+    wait_until(lambda: ran in a.log and ran in b.log, timeout=120, what="both runs", poll=0.1)
     # The slower run finds the line stored and ends as a plain success (no failure of
     # rq's bookkeeping, no new delivery, no failed-registry entry).
     queue_key = f"rq:queue:{redis_env.keys.queue_name('demo')}"
-    _wait_until(
+    wait_until(
         lambda: redis_env.conn.llen(queue_key) == 0 and not _running(redis_env, batch),
         timeout=60,
         what="the queue to drain",
@@ -709,9 +700,7 @@ def test_a_short_result_ttl_frees_an_uncollected_batch(redis_env, tmp_path):
     assert redis_env.conn.exists(redis_env.keys.batch(batch))
     pattern = f"{redis_env.keys.batch(batch)}*"
     # Gone within the same 2.1 s as before, but no longer than it takes.
-    _wait_until(
-        lambda: not list(redis_env.conn.scan_iter(match=pattern)), 2.1, "the keys to expire"
-    )
+    wait_until(lambda: not list(redis_env.conn.scan_iter(match=pattern)), 2.1, "the keys to expire")
     res = redis_env.run("spec-status", batch)
     assert res.returncode == 1
     assert res.stderr.startswith(f"spec-status: error: batch {batch} was submitted to this Redis")
@@ -741,7 +730,8 @@ def test_a_stop_signal_during_a_redis_outage(private_redis, slow_pair_args, tmp_
     batch = env.batch_id("outage")
     assert env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     busy = env.start_worker(*slow_pair_args)
-    _wait_until(lambda: _running(env, batch), timeout=60, what="the job to start")
+    busy.wait_for_log("Listening on", timeout=180)
+    wait_until(lambda: _running(env, batch), timeout=60, what="the job to start")
     server.stop()
     busy.signal(signal.SIGTERM)
     time.sleep(3)
@@ -759,5 +749,5 @@ def test_a_stop_signal_during_a_redis_outage(private_redis, slow_pair_args, tmp_
     idle.signal(signal.SIGTERM)
     started = time.monotonic()
     assert idle.wait(timeout=30) == 0, idle.log
-    assert time.monotonic() - started < 5
+    assert time.monotonic() - started < scaled(5)
     assert f"stopped while Redis at redis://127.0.0.1:{server.port}/0 was unreachable" in idle.log

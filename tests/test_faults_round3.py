@@ -14,10 +14,9 @@ import signal
 import subprocess
 import time
 
-from conftest import script
+from conftest import scaled, script, wait_until
 from test_faults import (
     NO_PERSISTENCE_ARGS,
-    _wait_until,
     figures,
     private_redis,  # noqa: F401 - a fixture
 )
@@ -58,12 +57,12 @@ def test_a_redis_restarted_without_persistence_under_a_running_job(
         )
     try:
         conn, keys = env.conn, env.keys
-        _wait_until(lambda: conn.hlen(keys.results(batch)) >= 1, 120, "a stored line", 0.02)
+        wait_until(lambda: conn.hlen(keys.results(batch)) >= 1, 120, "a stored line", 0.02)
         server.stop()
         server.start()
         env.conn = conn = server.client()
         worker.wait_for_log("the batch has no record in Redis any more", timeout=60)
-        assert waiting.wait(timeout=60) == 1, wait_log.read_text()
+        assert waiting.wait(timeout=scaled(60)) == 1, wait_log.read_text()
     finally:
         if waiting.poll() is None:
             waiting.kill()
@@ -125,7 +124,7 @@ def test_a_second_sigterm_while_an_idle_worker_shuts_down_is_one_line_and_143(
     for w, gap in zip(workers, (0.0, 0.05), strict=True):
         w.signal(signal.SIGTERM)
         # The first one handled (two signals at once are one to Python): then the second.
-        _wait_until(lambda w=w: "warm shut down requested" in w.log, 30, "shut down", 0.002)
+        wait_until(lambda w=w: "warm shut down requested" in w.log, 30, "shut down", 0.002)
         time.sleep(gap)
         w.signal(signal.SIGTERM)
     for w in workers:
@@ -156,7 +155,7 @@ def test_workers_announce_themselves_again_after_redis_lost_its_data(
         models = [conn.hget(keys.worker(n), "model") for n in names]
         return conn.exists(keys.model("demo")) and models == [b"demo", b"demo"]
 
-    _wait_until(known, timeout=30, what="both workers to announce themselves", poll=0.02)
+    wait_until(known, timeout=30, what="both workers to announce themselves", poll=0.02)
     took = time.monotonic() - restarted
     jobs = write_jobs(tmp_path / "jobs.jsonl", [{"custom_id": "a", "prompt": "x"}])
     res = env.run("spec-submit", jobs, "--batch-id", env.batch_id("again"))

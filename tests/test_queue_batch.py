@@ -8,10 +8,9 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from conftest import PAIR_ARGS
+from conftest import PAIR_ARGS, scaled, wait_until
 from rq.registry import StartedJobRegistry
 from test_queue import (
     LONG,
@@ -77,12 +76,9 @@ def test_a_killed_batched_workers_jobs_all_run_again_once(
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     doomed = start_worker("--batch", "4", *slow_pair_args)
     registry = StartedJobRegistry(redis_env.keys.queue_name("demo"), connection=redis_env.conn)
-    deadline = time.monotonic() + 60
     # four jobs claimed into one batch (counted without cleaning: a clean-up here would
     # act as a reaper with the test's short TTL)
-    while registry.get_job_count(cleanup=False) < 4:
-        assert time.monotonic() < deadline, doomed.log
-        time.sleep(0.05)
+    wait_until(lambda: registry.get_job_count(cleanup=False) >= 4, 60, "four jobs claimed")
     doomed.signal(signal.SIGKILL)
     assert doomed.wait(timeout=10) == -signal.SIGKILL
     survivor = start_worker("--burst", "--batch", "4", *slow_pair_args)
@@ -131,7 +127,7 @@ def test_a_failed_batch_runs_its_jobs_lines_one_by_one(redis_env, tmp_path):
     def worker(*args: str) -> subprocess.CompletedProcess:
         command = [sys.executable, "-c", POISONED_WORKER, stubs, "--burst", *args]
         return subprocess.run(
-            command, env=redis_env.env, capture_output=True, text=True, timeout=120
+            command, env=redis_env.env, capture_output=True, text=True, timeout=scaled(120)
         )
 
     assert worker().returncode == 0  # registers the alias

@@ -7,11 +7,12 @@ from __future__ import annotations
 import signal
 import time
 
-from conftest import PAIR_ARGS
+import pytest
+from conftest import PAIR_ARGS, Hold, Pace, scaled, wait_until
 from rq import Queue
 from rq.job import Job
 from rq.registry import StartedJobRegistry
-from test_faults import _check_once_each, _done, _running, _wait_until
+from test_faults import _check_once_each, _done, _running
 from test_queue import (
     LONG,
     _collect,
@@ -49,10 +50,10 @@ def test_a_long_job_keeps_its_heartbeat_and_runs_once(
     batch = redis_env.batch_id()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     worker = start_worker("--burst", *busy_pair_args)
-    _wait_running(redis_env, batch)
+    _wait_running(redis_env, batch, worker)
     first = _started_expiry(redis_env, batch)
     # Pushed forward within 3 s (registry scores are whole seconds), while still running.
-    later = _wait_until(
+    later = wait_until(
         lambda: (e := _started_expiry(redis_env, batch)) and e > first and e,
         timeout=3,
         what="the job's liveness to be pushed forward",
@@ -69,10 +70,14 @@ def test_a_long_job_keeps_its_heartbeat_and_runs_once(
 def test_a_killed_workers_job_is_requeued_even_while_the_others_are_busy(
     redis_env, start_worker, slow_pair_args, tmp_path
 ):
-    redis_env.env.update(HEARTBEAT)
-    # Longer than LONG: both jobs must still run once the second worker has loaded.
-    long = {**LONG, "max_tokens": 450}
-    lines = [{"custom_id": "a", **long}, {"custom_id": "b", **long}]
+    # Both jobs are held (conftest.Hold) from the moment the workers are up until the
+    # test has seen what it looks for: neither can end early, so both workers get one
+    # (a worker that finished its job first used to take the other one, and "both busy"
+    # never came on a loaded machine), and the survivor is still busy when the killed
+    # worker's job is re-queued, however long the machine makes each step.
+    hold = Hold(tmp_path / "hold")
+    redis_env.env.update(HEARTBEAT, **hold.env)
+    lines = [{"custom_id": "a", **LONG}, {"custom_id": "b", **LONG}]
     jobs = write_jobs(tmp_path / "jobs.jsonl", lines)
     batch = redis_env.batch_id()
     workers = {
@@ -81,6 +86,7 @@ def test_a_killed_workers_job_is_requeued_even_while_the_others_are_busy(
     }
     for worker in workers.values():  # both ready before the jobs come: one each
         worker.wait_for_log("Listening on", timeout=180)
+    hold.hold()
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
 
     # Both busy, one job each; the worker running a is killed, the other keeps running b.
@@ -88,29 +94,24 @@ def test_a_killed_workers_job_is_requeued_even_while_the_others_are_busy(
         running = _running(redis_env, batch)
         return running if len(set(running.values())) == 2 else None
 
-    running = _wait_until(
-        both_busy,
-        timeout=120,
-        what="both workers busy",
-        poll=0.02,
-    )
+    running = wait_until(both_busy, timeout=60, what="both workers busy", poll=0.02)
     a, b = job_id(batch, 1), job_id(batch, 2)  # a small file: one line per job
     doomed, survivor = workers[running[a]], workers[running[b]]
     doomed.signal(signal.SIGKILL)
     assert doomed.wait(timeout=10) == -signal.SIGKILL
     # Re-queued through the 1 s heartbeat expiry by the busy survivor's heartbeat thread,
     # long before the job timeout (minutes) and before the survivor is free again.
-    deadline = time.monotonic() + 15
-    while Job.fetch(a, connection=redis_env.conn).get_status() != "queued":
-        assert time.monotonic() < deadline, survivor.log
-        time.sleep(0.05)
-    assert not redis_env.conn.hexists(redis_env.keys.results(batch), "c:b")  # still busy
+    wait_until(
+        lambda: Job.fetch(a, connection=redis_env.conn).get_status() == "queued",
+        timeout=15,
+        what=f"job {a} re-queued",
+    )
+    assert _running(redis_env, batch) == {b: running[b]}  # the survivor: still on b
+    assert not redis_env.conn.hexists(redis_env.keys.results(batch), "c:b")
     job = Job.fetch(a, connection=redis_env.conn)
     assert job.retries_left == 1  # one of its two retries used
-    deadline = time.monotonic() + 120
-    while redis_env.conn.hlen(redis_env.keys.results(batch)) < 2:
-        assert time.monotonic() < deadline, survivor.log
-        time.sleep(0.1)
+    hold.release()
+    wait_until(lambda: _done(redis_env, batch) == 2, timeout=120, what="both lines answered")
     survivor.signal(signal.SIGTERM)
     assert survivor.wait(timeout=60) == 0
     results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
@@ -147,8 +148,8 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_still_runs(
     # start and every 10 minutes, drops it). The reaper drops it, not puts it back.
     worker.wait_for_log("cleaning group registries", 60)  # after its sweep
     redis_env.conn.rpush(queue.intermediate_queue_key, "finished-and-deleted")
-    _wait_until(lambda: _done(redis_env, batch) == len(lines), 120, "every line answered")
-    _wait_until(lambda: "finished-and-deleted: gone" in worker.log, 30, "the gone id dropped")
+    wait_until(lambda: _done(redis_env, batch) == len(lines), 120, "every line answered")
+    wait_until(lambda: "finished-and-deleted: gone" in worker.log, 30, "the gone id dropped")
     worker.stop()
     results = read_jsonl(_collect(redis_env, batch, tmp_path / "r.jsonl"))
     assert _check_once_each(results, [x["custom_id"] for x in lines]) == (0, 0)
@@ -157,3 +158,20 @@ def test_a_job_taken_by_a_worker_that_died_before_starting_it_still_runs(
     assert "died before starting it: put back" in worker.log
     assert "job finished-and-deleted was taken off" not in worker.log
     assert redis_env.conn.llen(queue.intermediate_queue_key) == 0
+
+
+def test_deadlines_scale_with_the_machines_pace(monkeypatch):
+    """A wait's deadline is its idle-machine seconds times Pace.factor (from the slowest
+    worker start seen, or a child's wall over CPU time), clamped to MAX_FACTOR."""
+    monkeypatch.setattr(Pace, "calibrated", True)
+    monkeypatch.setattr(Pace, "factor", 1.0)
+    Pace.note_start(3 * Pace.IDLE_START_S)  # a worker took three times its idle start
+    assert Pace.factor == 3.0 and scaled(10) == 30
+    Pace.note_start(Pace.IDLE_START_S)  # a faster start later does not shrink deadlines
+    assert Pace.factor == 3.0
+    started = time.monotonic()
+    with pytest.raises(AssertionError, match=r"timed out after 0 s \(0.1 s scaled by the "):
+        wait_until(lambda: False, 0.1, "nothing", poll=0.01)
+    assert time.monotonic() - started >= 0.3
+    Pace.note_start(100 * Pace.IDLE_START_S)
+    assert Pace.factor == Pace.MAX_FACTOR

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from click.testing import CliRunner
+from test_faults import figures, private_redis  # noqa: F401 (private_redis is a fixture)
 
 from jobstore import config, store
 from jobstore.lines import dumps, error_line
@@ -95,8 +97,6 @@ def test_a_line_is_stored_once_with_its_counters_even_if_written_twice(redis_env
 
 def test_a_job_that_runs_again_does_not_generate_again(redis_env, tmp_path):
     """A job whose lines are already stored has nothing left to run (no model needed)."""
-    import pytest
-
     pytest.importorskip("mlx")
     from worker import jobs
 
@@ -157,3 +157,86 @@ def test_rq_key_names_are_rqs_own(redis_env):
     registry = FailedJobRegistry(queue=queue)
     assert keys.rq_failed("demo") == registry.key == f"rq:failed:{keys.prefix}:demo"
     job.delete()
+
+
+# -- what a line costs Redis (issue 46 item 10) -------------------------------------------
+
+
+def _commands(conn) -> int:
+    """Commands Redis ran since the last CONFIG RESETSTAT (scripts' inner ones too)."""
+    stats = conn.info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k != "cmdstat_info")
+
+
+def test_storing_and_reading_lines_costs_commands_per_call_not_per_line(private_redis, tmp_path):  # noqa: F811
+    """Storing 32 finished lines and reading a job of 32 lines take a fixed number of
+    Redis commands (inner ones included), not one or two per line as they did (5.4
+    commands per answered line at 16,384 lines; the per-line HEXISTS + HSETNX of the
+    store and HSTRLEN + HGET of the worker's bounded read)."""
+    from worker import jobs
+
+    _, env = private_redis("--save", "", "--appendonly", "no")
+    conn, keys = env.conn, env.keys
+    n = 32
+    path = tmp_path / "jobs.jsonl"
+    path.write_text(
+        "".join(json.dumps({"custom_id": f"r{i}", "prompt": "x"}) + "\n" for i in range(n))
+    )
+    batch = env.batch_id("cost")
+    assert env.run("spec-submit", str(path), "--batch-id", batch).returncode == 0
+    line_keys = [f"c:r{i}" for i in range(n)]
+    ctx = jobs.WorkerContext(pair=None, alias="demo", worker_name="w1", conn=conn, keys=keys)
+
+    jobs.read_lines(ctx, batch, line_keys[:1])  # loads the script
+    store.put_lines(conn, keys, "none", [store.LineToStore("c:x", "{}", True)])  # and this one
+    conn.config_resetstat()
+    found = jobs.read_lines(ctx, batch, line_keys)
+    read = _commands(conn)
+    assert [line.key for line in found.todo] == line_keys
+    assert all(len(line.digest) == 16 for line in found.todo)
+
+    lines = [
+        store.LineToStore(line.key, _fake_result(batch, i), True, {"completion_tokens": 1})
+        for i, line in enumerate(found.todo)
+    ]
+    lines.append(lines[0])  # the same line twice in one call: stored once
+    conn.config_resetstat()
+    done = store.put_lines(conn, keys, batch, lines, worker="w1", ttl_s=60)
+    stored = _commands(conn)
+    assert done.written == [True] * n + [False]
+    meta = conn.hmget(keys.batch(batch), "completed", "completion_tokens")
+    assert meta == [str(n).encode(), str(n).encode()]
+    figures("commands per call", lines=n, read_job=read, store=stored)
+    assert read <= 5  # EVALSHA and three HMGETs
+    assert stored <= 25  # EVALSHA, its reads and writes, the TTLs of seven keys
+
+
+def test_a_result_keeps_its_requests_digest_and_a_resubmit_reads_it(redis_env, tmp_path):
+    """The digest a re-submit compares lives in the queued record and then in the stored
+    result (not in a hash of its own, ~90 B a line); a batch queued before that keeps
+    working from its `hashes` hash."""
+    from jobstore.lines import packed_digest, unpack
+    from producer.spool import request_digest
+
+    batch = _submit_lines(redis_env, tmp_path, 3)
+    conn, keys = redis_env.conn, redis_env.keys
+    assert not conn.exists(keys.hashes(batch))
+    record = json.loads(conn.hget(keys.requests(batch), "c:r0"))
+    digest = record["digest"]
+    assert digest == request_digest(
+        {k: v for k, v in record.items() if k not in ("job", "timeout", "digest")}
+    )
+
+    line = store.LineToStore("c:r0", _fake_result(batch, 0), True, None, digest)
+    assert store.put_lines(conn, keys, batch, [line]).written == [True]
+    raw = conn.hget(keys.results(batch), "c:r0")
+    assert packed_digest(raw) == digest
+    assert unpack(raw, 1 << 20) == _fake_result(batch, 0)
+    states, digests = store.classify(conn, keys, batch, ["c:r0", "c:r1", "c:r9"])
+    assert states[0] == "done" and states[2] == "new"
+    assert (digests[0], digests[2]) == (digest, None)
+
+    # Queued (and answered) before digests were kept: the `hashes` hash says.
+    store.store_line(conn, keys, batch, "c:r1", _fake_result(batch, 1), ok=True)
+    conn.hset(keys.hashes(batch), "c:r1", "00112233aabbccdd")
+    assert store.classify(conn, keys, batch, ["c:r1"]) == (["done"], ["00112233aabbccdd"])

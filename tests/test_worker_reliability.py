@@ -17,14 +17,13 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import PAIR_ARGS, stored
+from conftest import PAIR_ARGS, stored, wait_until
 from rq.registry import FailedJobRegistry
 from test_faults import (  # noqa: F401 (private_redis is a fixture)
     FAST_HEARTBEAT,
     _done,
     _running,
     _tokens_counted_once,
-    _wait_until,
     figures,
     private_redis,
 )
@@ -56,7 +55,7 @@ def test_a_job_rerun_after_a_kill_ends_cleanly(
     assert redis_env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     doomed = start_worker("--batch", rows, *slow_pair_args)
     want = min(int(rows), 2)  # a batched worker dies holding several claimed jobs
-    victims = _wait_until(
+    victims = wait_until(
         lambda: (found := list(_running(redis_env, batch))) and len(found) >= want and found,
         timeout=60,
         what=f"{want} job(s) to start",
@@ -66,7 +65,7 @@ def test_a_job_rerun_after_a_kill_ends_cleanly(
     assert doomed.wait(timeout=10) == -signal.SIGKILL
     # Re-queued through their heartbeat expiry by the survivor's reaper, a retry used.
     survivor = start_worker("--batch", rows, *slow_pair_args)
-    _wait_until(lambda: _done(redis_env, batch) >= n, timeout=120, what="the batch")
+    wait_until(lambda: _done(redis_env, batch) >= n, timeout=120, what="the batch")
     survivor.signal(signal.SIGTERM)
     assert survivor.wait(timeout=60) == 0, survivor.log
     assert "enqueued for retry, 1 remaining" in survivor.log  # the killed jobs came back
@@ -159,7 +158,7 @@ def test_workers_wait_while_redis_is_full_and_lose_nothing(request, slow_pair_ar
     for w in (single, batched):
         w.wait_for_log("Listening on", timeout=120)
     assert env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
-    _wait_until(
+    wait_until(
         lambda: _done(env, batch) >= 2 and len(set(_running(env, batch).values())) == 2,
         timeout=120,
         what="both workers busy",
@@ -175,7 +174,7 @@ def test_workers_wait_while_redis_is_full_and_lose_nothing(request, slow_pair_ar
     assert _done(env, batch) == done_when_full  # nothing stored: Redis really refused
     env.conn.config_set("maxmemory", 0)
     full_s = time.monotonic() - full_at
-    _wait_until(lambda: _done(env, batch) >= n, timeout=180, what="the batch", poll=0.1)
+    wait_until(lambda: _done(env, batch) >= n, timeout=180, what="the batch", poll=0.1)
     for w in (single, batched):
         assert w.proc.poll() is None, w.log  # rode it out
         w.signal(signal.SIGTERM)

@@ -37,7 +37,7 @@ from rq.timeouts import JobTimeoutException
 from jobstore import config, store
 from jobstore.jobfile import JobLine
 from jobstore.keys import Keys, custom_id_of
-from jobstore.lines import dumps, error_line
+from jobstore.lines import dumps, error_line, is_digest
 from worker.audit import Auditor
 from worker.execute import Outcome, context_overflow, failure, unusable_constraint
 from worker.storing import LineStore
@@ -77,6 +77,7 @@ class PendingLine:
     timeout: int  # seconds it may run
     unreadable: str | None = None  # why the stored request cannot be parsed
     code: str = "internal_error"  # the error code of an unreadable one
+    digest: str | None = None  # its request's digest, kept with its result
 
 
 @dataclass(frozen=True)
@@ -101,23 +102,17 @@ class LinesFailed(Exception):
 
 
 def read_lines(ctx: WorkerContext, batch_id: str, line_keys: list[str]) -> JobLines:
-    """One round trip: the job's lines that have neither a result (their request record
+    """One call (store.read_job): the job's lines that have neither a result (their request record
     is gone then) nor an error line, their requests parsed, and the cancel flag."""
-    conn, keys = ctx.conn, ctx.keys
     limit = config.MAX_RECORD_BYTES
-    with conn.pipeline(transaction=False) as pipe:
-        store.read_requests(pipe, keys, batch_id, line_keys, limit)  # none over the cap
-        pipe.hmget(keys.errors(batch_id), line_keys)
-        pipe.hexists(keys.batch(batch_id), "cancelled")
-        pipe.hexists(keys.batch(batch_id), "created_at")
-        records, errors, cancelled, known = pipe.execute()
-    if not known:
-        return JobLines([], bool(cancelled), gone=True)
+    found = store.read_job(ctx.conn, ctx.keys, batch_id, line_keys, limit)  # none over it
+    if not found.known:
+        return JobLines([], found.cancelled, gone=True)
     ctx.line_store().known(batch_id)  # submitted again since a store found it gone
     todo = []
-    for key, record, error in zip(line_keys, records, errors, strict=True):
-        if record is None or error is not None:
-            continue  # answered (or the batch was deleted): nothing to do
+    for key, record in zip(line_keys, found.records, strict=True):
+        if record is None:
+            continue  # answered, or has an error line (or the batch was deleted)
         if isinstance(record, int):  # its size: never read, parsed or tokenized
             why = (
                 f"the request record is {record} bytes, over the limit of {limit} bytes "
@@ -127,7 +122,7 @@ def read_lines(ctx: WorkerContext, batch_id: str, line_keys: list[str]) -> JobLi
             todo.append(PendingLine(key, None, 0, why, code="invalid_request"))
             continue
         todo.append(_parse(key, record))
-    return JobLines(todo, bool(cancelled))
+    return JobLines(todo, found.cancelled)
 
 
 def _parse(key: str, record: bytes) -> PendingLine:
@@ -137,7 +132,8 @@ def _parse(key: str, record: bytes) -> PendingLine:
         timeout = int(data.get("timeout") or config.job_timeout_s(1, 0))
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         return PendingLine(key, None, 0, f"{type(exc).__name__}: {exc}")
-    return PendingLine(key, request, max(1, timeout))
+    digest = data.get("digest")  # a record queued before digests were kept has none
+    return PendingLine(key, request, max(1, timeout), digest=digest if is_digest(digest) else None)
 
 
 def drop_gone(batch_id: str, job_id: str | None, lines_left: int, unstored: int = 0) -> None:
@@ -197,7 +193,7 @@ def store_outcome(
 ) -> None:
     """Hand a line's outcome to the worker's LineStore (stored once per line key)."""
     number = line.request.line if line.request is not None else outcome.line["error"]["line"]
-    ctx.line_store().add(batch_id, line.key, number, outcome, took_s)
+    ctx.line_store().add(batch_id, line.key, number, outcome, took_s, line.digest)
 
 
 def note_started(ctx: WorkerContext, batch_id: str) -> None:

@@ -47,10 +47,19 @@ class LineStore:
         self._stop.set()
         self._thread.join(timeout=5)
 
-    def add(self, batch_id: str, key: str, number: int, outcome: Outcome, took_s: float) -> None:
-        """A finished line (`number`: its line number, for the log). Stored now when it
-        took long, when enough lines wait, or when the oldest has waited long enough."""
-        entry = store.LineToStore(key, dumps(outcome.line), outcome.ok, outcome.counters)
+    def add(
+        self,
+        batch_id: str,
+        key: str,
+        number: int,
+        outcome: Outcome,
+        took_s: float,
+        digest: str | None = None,
+    ) -> None:
+        """A finished line (`number`: its line number, for the log; `digest`: its
+        request's, kept with a result). Stored now when it took long, when enough lines
+        wait, or when the oldest has waited long enough."""
+        entry = store.LineToStore(key, dumps(outcome.line), outcome.ok, outcome.counters, digest)
         said = (
             f"{outcome.completion_tokens} tokens"
             if outcome.ok
