@@ -460,7 +460,7 @@ def _bad_lines() -> list[tuple[bytes, str]]:
         (b'{"custom_id": "t", "prompt": "x", "temperature": -1}', "temperature: must be >= 0"),
         (b'{"custom_id": "u", "prompt": "x", "colour": "red"}', "colour: unknown field"),
         (b'{"custom_id": "k", "prompt": "x", "prompt": "y"}', 'duplicate key "prompt"'),
-        (b'{"custom_id": "n", "prompt": "x", "n": 2}', "n: not supported"),
+        (b'{"custom_id": "n", "prompt": "x", "n": 200}', "n: must be in [1, 128], got 200"),
         (b'{"custom_id": "e", "messages": []}', "messages: must not be empty"),
         (b'{"custom_id": "z", "prompt": "x", "max_tokens": 0}', "max_tokens: must be >= 1"),
         (b"\x00\x01\x02", "not valid JSON:"),

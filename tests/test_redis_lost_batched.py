@@ -6,10 +6,10 @@ each job must still end with the documented "no record in Redis any more" line, 
 
 from __future__ import annotations
 
+from conftest import wait_until
 from rq.registry import StartedJobRegistry
 from test_faults import (
     NO_PERSISTENCE_ARGS,
-    _wait_until,
     private_redis,  # noqa: F401 - a fixture
 )
 from test_queue import write_jobs
@@ -32,14 +32,14 @@ def test_a_batched_worker_whose_lines_are_all_running_says_the_batch_is_gone(
     assert env.run("spec-submit", jobs, "--batch-id", batch).returncode == 0
     worker = env.start_worker("--batch", "4", *slow_pair_args)
     registry = StartedJobRegistry(env.keys.queue_name("demo"), connection=env.conn)
-    _wait_until(lambda: registry.count == 4, 120, "all four jobs running", 0.02)
+    wait_until(lambda: registry.count == 4, 120, "all four jobs running", 0.02)
     server.stop()
     server.start()
 
     def dropped() -> list[str]:
         return [x for x in worker.log.splitlines() if "no record in Redis any more" in x]
 
-    _wait_until(lambda: len(dropped()) == 4, 120, "four jobs dropped")
+    wait_until(lambda: len(dropped()) == 4, 120, "four jobs dropped")
     assert all("answered but not stored" in x for x in dropped()), worker.log
     assert "another delivery" not in worker.log
     assert "Traceback" not in worker.log
