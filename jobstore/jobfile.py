@@ -67,7 +67,17 @@ UNSUPPORTED_FIELDS: dict[str, tuple[tuple, str]] = {
     "prediction": ((), "predicted outputs are not supported"),
     "reasoning_effort": ((), "reasoning_effort is not supported"),
     "web_search_options": ((), "web search is not supported"),
+    "verbosity": ((), "verbosity is not supported (set max_tokens)"),
+    # vLLM's extra sampling fields that this service does not do.
+    "min_tokens": ((0,), "min_tokens is not supported"),
+    "ignore_eos": ((False,), "ignore_eos is not supported"),
+    "skip_special_tokens": ((True,), "special tokens are always left out of the text"),
+    "include_reasoning": ((True,), "a thinking model's reasoning is always returned, apart"),
 }
+
+#: OpenAI fields that steer the provider's service, not the output (a processing tier, a
+#: cache-routing hint, an abuse-tracking id): accepted when they are strings and dropped.
+SERVICE_FIELDS = ("service_tier", "prompt_cache_key", "safety_identifier")
 
 
 #: What validation gives a parameter the line does not set, left out of a stored record
@@ -506,6 +516,11 @@ def _parse_line(number: int, raw: bytes, model_override: str | None) -> list:
             value = body.pop(name)
             if value is not None and not any(_same(value, h) for h in harmless):
                 err(prefix + name, f"not supported: {why}, got {_show(value)}")
+    for name in SERVICE_FIELDS:
+        if name in body:
+            value = body.pop(name)
+            if value is not None and not isinstance(value, str):
+                err(prefix + name, f"must be a string, got {_show(value)}")
     asked = {f: body.pop(f) for f in CONSTRAINT_FIELDS if f in body}
     try:
         field_name, constraint = normalise(asked)

@@ -313,6 +313,26 @@ BAD_LINES = [
         ['reasoning_effort: not supported: reasoning_effort is not supported, got "low"'],
     ),
     (
+        "verbosity",
+        '{"custom_id": "x", "messages": [{"role": "user", "content": "hi"}], "verbosity": "low"}',
+        ['verbosity: not supported: verbosity is not supported (set max_tokens), got "low"'],
+    ),
+    (
+        "vLLM min_tokens",
+        '{"custom_id": "x", "prompt": "hi", "min_tokens": 5}',
+        ["min_tokens: not supported: min_tokens is not supported, got 5"],
+    ),
+    (
+        "vLLM ignore_eos",
+        '{"custom_id": "x", "prompt": "hi", "ignore_eos": true}',
+        ["ignore_eos: not supported: ignore_eos is not supported, got true"],
+    ),
+    (
+        "service_tier not a string",
+        '{"custom_id": "x", "prompt": "hi", "service_tier": 5}',
+        ["service_tier: must be a string, got 5"],
+    ),
+    (
         "stream",
         '{"custom_id": "x", "prompt": "hi", "stream": true}',
         ["stream: not supported: streaming is not supported in a batch, got true"],
@@ -678,6 +698,13 @@ DISTILABEL_LINES = [
         b'"response_format":{"type":"text"},"logit_bias":{},"repetition_penalty":1,'
         b'"modalities":["text"],"tool_choice":"none","stream":false}',
         '{"line":3,"custom_id":"d3","endpoint":"completion","model":null,"params":'
+        '{"prompt":"x","max_tokens":256,"temperature":1.0}}',
+    ),
+    (  # fields that steer a provider's service, and vLLM's extras at their "off" values
+        b'{"custom_id":"d4","prompt":"x","service_tier":"auto","prompt_cache_key":"k1",'
+        b'"safety_identifier":"u-9","min_tokens":0,"ignore_eos":false,'
+        b'"skip_special_tokens":true,"include_reasoning":true,"verbosity":null}',
+        '{"line":4,"custom_id":"d4","endpoint":"completion","model":null,"params":'
         '{"prompt":"x","max_tokens":256,"temperature":1.0}}',
     ),
 ]
