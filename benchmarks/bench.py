@@ -22,8 +22,7 @@ import engine  # first: loads OpenBLAS before anything imports mlx
 # isort: split
 import mlx_lm
 
-from engine.adaptive import DraftController
-from engine.loading import DEMO_DRAFT, DEMO_TARGET, ModelPair
+from engine.loading import DEMO_DRAFT, DEMO_TARGET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -81,19 +80,7 @@ def load_pairs(args, s: Settings):
     useless = pairs.useless_draft(draft_dir, cache=args.cache)
     log(f"loading {widened} + {draft_dir} (calibrating auto)")
     pair = engine.load_pair(widened, draft_dir)
-    udraft, _ = mlx_lm.load(str(useless))
-    upair = ModelPair(
-        target=pair.target,
-        draft=udraft,
-        tokenizer=pair.tokenizer,
-        target_path=pair.target_path,
-        draft_path=str(useless),
-        context_length=pair.context_length,
-        target_vocab=pair.target_vocab,
-        draft_vocab=pair.draft_vocab,
-        name=pair.name + "+useless",
-    )
-    upair.controller = DraftController.for_pair(upair, calibrate=True)
+    upair = pairs.with_draft(pair, useless, pair.name + "+useless")
     info = pair.info()
     if not info["blas"].startswith(("OpenBLAS", "Accelerate")):
         log(f"WARNING: slow BLAS: {info['blas']}")
