@@ -184,6 +184,19 @@ def prefill_seconds(model, ids: list[int]) -> float:
 # -- the timer ---------------------------------------------------------------------------
 
 
+def rate_table(tallies: dict[str, Tally], base: Tally, what: str) -> list[str]:
+    """Markdown lines: a row per contender (tokens/s, tokens per target pass, its median
+    per-prompt ratio to `base`; the contender named "plain" reads 1.00x)."""
+    lines = [
+        f"| {what} | tokens/s | tokens per target pass | vs plain (median) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, t in tallies.items():
+        ratio = median_ratio(t, base) if name != "plain" else 1.0
+        lines.append(f"| {name} | {t.rate:.1f} | {t.acceptance_length:.2f} | {ratio:.2f}x |")
+    return lines
+
+
 def round_robin(
     contenders: list[Contender],
     prompts: list[tuple[str, list[int]]],
