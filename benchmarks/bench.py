@@ -6,7 +6,7 @@
 Builds the benchmark pair (the demo target widened to ~100M parameters with MLP units
 that contribute exactly zero, plus a random "useless" draft), runs every contender on
 held-out code prompts in rotating round-robin order, and writes a markdown table of
-ratios and target verdicts to BENCHMARKS.md (its `bench` section) or --out.
+ratios and target verdicts to stdout (and to the `bench` section of --out FILE).
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ import engine  # first: loads OpenBLAS before anything imports mlx
 # isort: split
 import mlx_lm
 
-from engine.adaptive import DraftController
-from engine.loading import DEMO_DRAFT, DEMO_TARGET, ModelPair
+from engine.loading import DEMO_DRAFT, DEMO_TARGET
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -32,8 +31,6 @@ import prompts as prompt_sets  # noqa: E402
 import render  # noqa: E402
 import report  # noqa: E402
 import sections  # noqa: E402
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @dataclass(frozen=True)
@@ -83,19 +80,7 @@ def load_pairs(args, s: Settings):
     useless = pairs.useless_draft(draft_dir, cache=args.cache)
     log(f"loading {widened} + {draft_dir} (calibrating auto)")
     pair = engine.load_pair(widened, draft_dir)
-    udraft, _ = mlx_lm.load(str(useless))
-    upair = ModelPair(
-        target=pair.target,
-        draft=udraft,
-        tokenizer=pair.tokenizer,
-        target_path=pair.target_path,
-        draft_path=str(useless),
-        context_length=pair.context_length,
-        target_vocab=pair.target_vocab,
-        draft_vocab=pair.draft_vocab,
-        name=pair.name + "+useless",
-    )
-    upair.controller = DraftController.for_pair(upair, calibrate=True)
+    upair = pairs.with_draft(pair, useless, pair.name + "+useless")
     info = pair.info()
     if not info["blas"].startswith(("OpenBLAS", "Accelerate")):
         log(f"WARNING: slow BLAS: {info['blas']}")
@@ -121,7 +106,7 @@ def check_function(pair, target_dir: Path, prompts: list) -> float:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny version (< 1 minute)")
-    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--out", type=Path, help="also write the report's section here")
     parser.add_argument("--target", default=str(DEMO_TARGET), help="model to widen")
     parser.add_argument("--draft", default=str(DEMO_DRAFT))
     parser.add_argument("--cache", type=Path, default=pairs.CACHE)
@@ -162,9 +147,7 @@ def main(argv: list[str] | None = None) -> int:
 
     results = render.Results(survey, confirm, kb, kc, lookup, sampled, jobs, costs)
     md = render.render(s, facts, results, args.quick)
-    print(md)
-    report.update_section(args.out, "bench", md)
-    log(f"wrote {args.out}")
+    report.publish(md, args.out, "bench")
     return 0
 
 

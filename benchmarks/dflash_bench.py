@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import harness  # noqa: E402
 import pairs  # noqa: E402
 import prompts as prompt_sets  # noqa: E402
-from batched_auto import run as batched_run  # noqa: E402
 
 
 def per_pass(runner, prompts, n) -> tuple[float, list[float], list[list[int]]]:
@@ -122,7 +121,7 @@ def main(argv=None) -> int:
         ratios = []
         for p in range(2 if args.quick else 3):
             order = ("none", "model") if p % 2 == 0 else ("model", "none")
-            got = {d: batched_run(dflash_pair, ids_list, b, d, n) for d in order}
+            got = {d: harness.batched_rate(dflash_pair, ids_list, b, d, n) for d in order}
             ratios.append(got["model"][0] / got["none"][0])
         out.append(
             f"4. batch {b}: DFlash auto / plain {statistics.median(ratios):.3f} "

@@ -15,7 +15,8 @@ with model drafts elsewhere (what the engine's greedy "auto" does).
 
     python benchmarks/draft_replay.py [--prompts 16] [--v 1.30,1.63,...] [--c 0.025]
 
-The default v and c are the measured values of the BENCHMARKS.md run of 2026-11-30 14:05.
+The default v and c are the values bench.py's table (i) measured on 2026-11-30 at 14:05
+(BENCHMARKS.md at that commit; later runs are in docs/benchmark-history.md).
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import engine  # noqa: E402  (loads OpenBLAS first)
 from engine.drafters import LookupIndex  # noqa: E402
 
 CHAIN = 8
-# v(K) for K = 0..8 and c, measured in the run of 2026-11-30 14:05 (BENCHMARKS.md (i));
+# v(K) for K = 0..8 and c, measured by bench.py's table (i) on 2026-11-30 14:05;
 # v(5) and v(7) interpolated.
 DEFAULT_V = "1.0,1.30,1.63,1.94,2.03,2.09,2.15,2.33,2.52"
 DEFAULT_C = 0.025

@@ -158,13 +158,7 @@ def family_rows(family: str, args, log) -> list[str]:
     lines = [
         f"### {family} ({params / 1e6:.0f}M-parameter target; layers {kinds})",
         "",
-        "| single stream, greedy | tokens/s | tokens per target pass | vs plain (median) |",
-        "| --- | --- | --- | --- |",
-    ]
-    for name, t in tallies.items():
-        ratio = harness.median_ratio(t, base) if name != "plain" else 1.0
-        lines.append(f"| {name} | {t.rate:.1f} | {t.acceptance_length:.2f} | {ratio:.2f}x |")
-    lines += [
+        *harness.rate_table(tallies, base, "single stream, greedy"),
         "",
         f'Outputs of "auto" identical to mlx-lm target-only: {same}/{len(ps)} prompts.',
         "",

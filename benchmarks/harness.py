@@ -184,6 +184,19 @@ def prefill_seconds(model, ids: list[int]) -> float:
 # -- the timer ---------------------------------------------------------------------------
 
 
+def rate_table(tallies: dict[str, Tally], base: Tally, what: str) -> list[str]:
+    """Markdown lines: a row per contender (tokens/s, tokens per target pass, its median
+    per-prompt ratio to `base`; the contender named "plain" reads 1.00x)."""
+    lines = [
+        f"| {what} | tokens/s | tokens per target pass | vs plain (median) |",
+        "| --- | --- | --- | --- |",
+    ]
+    for name, t in tallies.items():
+        ratio = median_ratio(t, base) if name != "plain" else 1.0
+        lines.append(f"| {name} | {t.rate:.1f} | {t.acceptance_length:.2f} | {ratio:.2f}x |")
+    return lines
+
+
 def round_robin(
     contenders: list[Contender],
     prompts: list[tuple[str, list[int]]],
@@ -219,3 +232,21 @@ def warm_up(contenders: list[Contender], ids: list[int], max_tokens: int = 8) ->
     """One short untimed run each: kernels compiled, caches allocated."""
     for c in contenders:
         c.run(ids, max_tokens)
+
+
+def batched_rate(pair, ids_list, batch: int, drafter: str, max_tokens: int) -> tuple[float, float]:
+    """(tokens/s, draft tokens per row-step) of one `generate_many` over the prompts in
+    `ids_list`, `batch` rows at a time, greedy, "auto"."""
+    requests = [
+        engine.GenerationRequest(
+            prompt_ids=ids, max_tokens=max_tokens, drafter=drafter, num_draft_tokens="auto"
+        )
+        for ids in ids_list
+    ]
+    t0 = time.perf_counter()
+    tokens = steps = drafted = 0
+    for _, res in engine.generate_many(pair, requests, max_batch=batch):
+        tokens += len(res.token_ids)
+        steps += res.stats.num_spec_steps
+        drafted += res.stats.num_draft_tokens
+    return tokens / (time.perf_counter() - t0), drafted / max(steps, 1)

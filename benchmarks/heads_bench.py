@@ -82,12 +82,8 @@ def main(argv=None) -> int:
         f"{params / 1e6:.0f}M parameters; one head pass (with the LM head) measured at "
         f"{ratio:.2f}x a target decode pass.",
         "",
-        "| single stream, greedy | tokens/s | tokens per target pass | vs plain (median) |",
-        "| --- | --- | --- | --- |",
+        *harness.rate_table(tallies, base, "single stream, greedy"),
     ]
-    for name, t in tallies.items():
-        r = harness.median_ratio(t, base) if name != "plain" else 1.0
-        lines.append(f"| {name} | {t.rate:.1f} | {t.acceptance_length:.2f} | {r:.2f}x |")
     print("\n".join(lines))
     return 0
 

@@ -52,7 +52,6 @@ from engine.text import RequestRun
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import batched_auto  # noqa: E402
 import pairs  # noqa: E402
 import prompts as prompt_sets  # noqa: E402
 
@@ -156,7 +155,7 @@ def named_pair(name: str, demo, cache: Path, params: int):
         return engine.load_pair(pairs.widen(DEMO_TARGET, params, cache=cache), DEMO_DRAFT)
     if name == "random":
         useless = pairs.useless_draft(DEMO_DRAFT, cache=cache)
-        return batched_auto.with_draft(demo, useless, "demo+random-draft")
+        return pairs.with_draft(demo, useless, "demo+random-draft")
     raise SystemExit(f"lockstep: unknown pair {name!r} (demo, random, widened)")
 
 

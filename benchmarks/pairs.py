@@ -7,7 +7,8 @@
   speculation never pays and "auto" has to back off.
 
 Both are saved in the standard layout (config.json, model.safetensors, tokenizer files)
-so `engine.load_pair(widened_dir, draft_dir)` and `mlx_lm.load` read them.
+so `engine.load_pair(widened_dir, draft_dir)` and `mlx_lm.load` read them; `with_draft`
+pairs a loaded target with another draft (the useless one) without loading it again.
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ import engine  # noqa: F401  (loads OpenBLAS before mlx is imported)
 
 # isort: split
 import mlx.core as mx
+import mlx_lm
+
+from engine.adaptive import DraftController
+from engine.loading import ModelPair
 
 CACHE = Path(__file__).resolve().parent / ".cache"
 WEIGHTS = "model.safetensors"
@@ -125,3 +130,22 @@ def max_logit_difference(model_a, model_b, prompts: list[list[int]]) -> float:
         x = mx.array([ids])
         worst = max(worst, mx.max(mx.abs(model_a(x) - model_b(x))).item())
     return worst
+
+
+def with_draft(pair: ModelPair, draft_dir: Path, name: str) -> ModelPair:
+    """`pair`'s target (the same loaded model) with the draft in `draft_dir`, and a
+    controller of its own, calibrated: the useless-draft pair of bench.py and lockstep.py."""
+    draft, _ = mlx_lm.load(str(draft_dir))
+    other = ModelPair(
+        target=pair.target,
+        draft=draft,
+        tokenizer=pair.tokenizer,
+        target_path=pair.target_path,
+        draft_path=str(draft_dir),
+        context_length=pair.context_length,
+        target_vocab=pair.target_vocab,
+        draft_vocab=pair.draft_vocab,
+        name=name,
+    )
+    other.controller = DraftController.for_pair(other, calibrate=True)
+    return other

@@ -15,7 +15,7 @@ Starts a private redis-server on a free port (no persistence), then:
 3. `spec-collect` of the same batch after --lines fake results were stored with
    `jobstore.store.store_line`, exactly as the worker stores them, wall time.
 
-Writes its table to the `queue` section of BENCHMARKS.md (or --out).
+Prints its table (and writes it to the `queue` section of --out FILE).
 """
 
 from __future__ import annotations
@@ -40,7 +40,6 @@ from jobstore.jobfile import JobLine  # noqa: E402
 from jobstore.keys import Keys  # noqa: E402
 from jobstore.lines import Choice, dumps, result_line, unpack  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
 PROMPTS = ["def fibonacci(n):", "class Stack:\n    def push(self, item):", "import os\n\ndef walk("]
 
 
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", type=int, default=200)
     parser.add_argument("--lines", type=int, default=100_000)
-    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--out", type=Path, help="also write the report's section here")
     parser.add_argument("--target", help="worker target (default: the demo pair)")
     parser.add_argument("--draft")
     args = parser.parse_args(argv)
@@ -223,9 +222,7 @@ def main(argv: list[str] | None = None) -> int:
 
     facts = {"redis-server": version, "rq": rq.__version__}
     md = render(over, big, facts)
-    print(md)
-    report.update_section(args.out, "queue", md)
-    log(f"wrote {args.out}")
+    report.publish(md, args.out, "queue")
     return 0
 
 

@@ -22,7 +22,7 @@ Starts a private redis-server on a free port (no persistence), writes a job file
    --fleet-lines lines each: lines/s from the batch's first start to its last stored
    line, and Redis CPU per line.
 
-Writes its tables to the `queue-scale` section of BENCHMARKS.md (or --out).
+Prints its tables (and writes them to the `queue-scale` section of --out FILE).
 """
 
 from __future__ import annotations
@@ -346,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, default=2, help="stub workers answering the batch")
     parser.add_argument("--fleet-lines", type=int, default=60_000)
     parser.add_argument("--fleet", default="1,2,4")
-    parser.add_argument("--out", type=Path, default=ROOT / "BENCHMARKS.md")
+    parser.add_argument("--out", type=Path, help="also write the report's section here")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="queue-scale-") as tmp_name:
         tmp = Path(tmp_name)
@@ -362,13 +362,11 @@ def main(argv: list[str] | None = None) -> int:
     import rq
 
     md = render(big, rows, {"redis-server": version, "rq": rq.__version__})
-    print(md)
     print(
         json.dumps({"big": {k: v for k, v in big.items()}, "fleet": rows}, default=str)[:20000],
         file=sys.stderr,
     )
-    report.update_section(args.out, "queue-scale", md)
-    log(f"wrote {args.out}")
+    report.publish(md, args.out, "queue-scale")
     return 0
 
 

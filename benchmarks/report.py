@@ -1,8 +1,9 @@
-"""Markdown output: tables, target lines, machine facts, and sections of BENCHMARKS.md.
+"""Markdown output: tables, target lines, machine facts, and named sections of a file.
 
-Each benchmark script owns one section of BENCHMARKS.md, between
-`<!-- NAME:start -->` and `<!-- NAME:end -->`, and rewrites only that section, so
-bench.py and queue_overhead.py can be re-run in any order.
+bench.py, queue_overhead.py and queue_scale.py print their report; with `--out FILE` each
+also rewrites its own section of FILE, between `<!-- NAME:start -->` and
+`<!-- NAME:end -->`, so several runs can share one file in any order. BENCHMARKS.md is a
+summary written by hand from such runs (docs/benchmark-history.md keeps them all).
 """
 
 from __future__ import annotations
@@ -106,3 +107,11 @@ def update_section(path: Path, name: str, body: str) -> None:
     else:
         text = text.rstrip("\n") + "\n\n" + block
     path.write_text(text)
+
+
+def publish(md: str, out: Path | None, name: str) -> None:
+    """Print the report; with `out`, also rewrite its section `name` of that file."""
+    print(md)
+    if out is not None:
+        update_section(out, name, md)
+        print(f"wrote {out}", file=sys.stderr, flush=True)

@@ -1,7 +1,7 @@
 """What the drafter tests (test_dflash*, test_eagle3, test_mtp) share: tiny DFlash configs,
-6-token pairs for the sampling-law tests, the greedy-exactness check, the plainest loop
-over a head's definition, and the spec-run and wrong-law checks, written once so that
-each test file says only what is particular to its drafter."""
+6-token pairs and the sampling-law test over them, the greedy-exactness check, the
+plainest loop over a head's definition, and the spec-run and wrong-law checks, written
+once so that each test file says only what is particular to its drafter."""
 
 from __future__ import annotations
 
@@ -9,10 +9,11 @@ import json
 import subprocess
 from pathlib import Path
 
+import chisquare
 import mlx.core as mx
 import mlx_lm
 from conftest import script
-from test_engine_sampling import VOCAB
+from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p, exact_law
 from tiny_families import build_model, six_token_model, tokenizer_dir
 from tiny_models import reference_greedy
 
@@ -94,6 +95,24 @@ def bound_pair(target: Path, draft: str, name: str, load, controller: bool = Fal
     if controller:
         pair.controller = DraftController.for_pair(pair, calibrate=False)
     return pair
+
+
+def draw(pair: ModelPair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
+    """n sequences of LENGTH tokens from a 6-token pair, draft lengths 1..3 mixed in one
+    batch, rows joining as others end (`rows=1`: each alone)."""
+    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=MIXED_K)
+
+
+def check_sampling_law(pair: ModelPair, n: int, seed0: int, n_equal: int, seed_equal: int):
+    """A drafter's sampled rows follow the target's law: a chi-square test over n batched
+    draws from seed0, and n_equal single requests from seed_equal that draw, seed for seed,
+    what batched rows draw (so the single path's law is the batched path's)."""
+    law = exact_law(pair)
+    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
+    assert chi_square_p(law, draw(pair, n, seed0)) > P_FAIL
+    chisquare.single_equals_batched(
+        pair, n_equal, seed_equal, PROMPT, PARAMS, LENGTH, setups=MIXED_K
+    )
 
 
 def greedy_requests(prompts: list, k, max_tokens: int, grow: int = 0) -> list:

@@ -17,25 +17,25 @@ import subprocess
 import sys
 from pathlib import Path
 
-import chisquare
 import mlx.core as mx
 import mlx_lm
 import numpy as np
 import pytest
 from conftest import script
 from drafter_checks import (
-    MIXED_K,
     SMALL,
     TEXTS,
     bound_pair,
     check_greedy_exact,
+    check_sampling_law,
     drafter_config,
+    draw,
     family_target,
     greedy_requests,
     six_token_target,
 )
 from mlx.utils import tree_flatten
-from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
+from test_engine_sampling import P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p, exact_law
 from test_queue import read_jsonl, write_jobs
 from tiny_models import build_llama
 
@@ -332,29 +332,14 @@ def v6_hybrid_dflash2(tmp_path_factory) -> ModelPair:
     return _v6_pair(tmp, target, "h6d2", _small(2, sliding_window=3))
 
 
-def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
-    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=MIXED_K)
-
-
 @pytest.mark.slow
 def test_dflash2_sampling_follows_the_target_law(v6_dflash2):
-    law = chisquare.exact_law(v6_dflash2.target, PROMPT, PARAMS, LENGTH, VOCAB)
-    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
-    counts = draw(v6_dflash2, 6_000, seed0=12_000_000)
-    assert chi_square_p(law, counts) > P_FAIL
-    # The single path draws, seed for seed, what the batched path draws.
-    chisquare.single_equals_batched(
-        v6_dflash2, 100, 13_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K
-    )
+    check_sampling_law(v6_dflash2, 6_000, 12_000_000, 100, 13_000_000)
 
 
 @pytest.mark.slow
 def test_dflash2_sampling_on_a_hybrid_target_follows_its_law(v6_hybrid_dflash2):
-    pair = v6_hybrid_dflash2
-    law = chisquare.exact_law(pair.target, PROMPT, PARAMS, LENGTH, VOCAB)
-    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
-    assert chi_square_p(law, draw(pair, 6_000, seed0=17_000_000)) > P_FAIL
-    chisquare.single_equals_batched(pair, 100, 18_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K)
+    check_sampling_law(v6_hybrid_dflash2, 6_000, 17_000_000, 100, 18_000_000)
 
 
 def test_a_dflash2_law_that_ignores_the_chain_fails_the_test(v6_dflash2, monkeypatch):
@@ -367,7 +352,7 @@ def test_a_dflash2_law_that_ignores_the_chain_fails_the_test(v6_dflash2, monkeyp
         return found, {k: mx.broadcast_to(q[:1], q.shape) for k, q in laws.items()}
 
     monkeypatch.setattr(drafters.DFlashProposer, "_propose_chain", wrong_law)
-    law = chisquare.exact_law(v6_dflash2.target, PROMPT, PARAMS, LENGTH, VOCAB)
+    law = exact_law(v6_dflash2)
     assert chi_square_p(law, draw(v6_dflash2, 6_000, seed0=14_000_000)) < P_FAIL
 
 

@@ -23,6 +23,7 @@ from drafter_checks import (
     bound_pair,
     check_greedy_exact,
     drafter_config,
+    draw,
     greedy_requests,
     write_spread_drafter,
 )
@@ -130,11 +131,6 @@ def small_vocab_dflash(tmp_path_factory) -> ModelPair:
     tmp = tmp_path_factory.mktemp("v6dflash")
     target = build_llama(tmp / "t", vocab_size=VOCAB, hidden=16, layers=1, seed=11, scale=6.0)
     return _v6_pair(tmp, target, "v6", seed=21, layers=1)
-
-
-def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
-    """n sequences of LENGTH tokens; block lengths 1..3 mixed; rows join as others end."""
-    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=MIXED_K)
 
 
 @pytest.mark.slow

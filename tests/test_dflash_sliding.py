@@ -10,22 +10,21 @@ the window's edge are both exercised.
 
 from __future__ import annotations
 
-import chisquare
 import mlx.core as mx
 import pytest
 from drafter_checks import (
-    MIXED_K,
     SMALL,
     TEXTS,
     bound_pair,
     check_greedy_exact,
+    check_sampling_law,
     drafter_config,
     family_target,
     greedy_requests,
     six_token_target,
     write_spread_drafter,
 )
-from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
+from test_engine_sampling import VOCAB
 
 import engine
 from engine.dflash import DFlashModel, load_dflash, save_dflash
@@ -105,15 +104,7 @@ def v6_gemma(tmp_path_factory) -> ModelPair:
 
 @pytest.mark.slow
 def test_sliding_dflash_sampling_on_gemma3_text_follows_its_law(v6_gemma):
-    law = chisquare.exact_law(v6_gemma.target, PROMPT, PARAMS, LENGTH, VOCAB)
-    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
-    draws = chisquare.draw(
-        v6_gemma, 6_000, 15_000_000, PROMPT, PARAMS, LENGTH, rows=chisquare.ROWS, setups=MIXED_K
-    )
-    assert chi_square_p(law, draws) > P_FAIL
-    chisquare.single_equals_batched(
-        v6_gemma, 100, 16_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K
-    )
+    check_sampling_law(v6_gemma, 6_000, 15_000_000, 100, 16_000_000)
 
 
 def test_a_drafter_whose_every_layer_slides_lets_go_of_old_context(gemma_pair, tmp_path):

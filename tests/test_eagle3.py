@@ -8,21 +8,21 @@ from __future__ import annotations
 
 import json
 
-import chisquare
 import mlx.core as mx
 import pytest
 from drafter_checks import (
-    MIXED_K,
     PROMPTS,
     bound_pair,
     check_greedy_exact,
+    check_sampling_law,
+    draw,
     greedy_requests,
     head_reference,
     recorded_drafts,
     sharpen_head_laws,
     spec_run_drafters,
 )
-from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
+from test_engine_sampling import P_FAIL, VOCAB, chi_square_p, exact_law
 from tiny_families import build_model, tokenizer_dir
 from tiny_heads import build_eagle3
 from tiny_models import build_llama, reference_greedy
@@ -96,23 +96,14 @@ def test_each_step_drafts_what_the_definition_drafts(small_vocab_eagle, monkeypa
     assert drafted <= set(SMALL_DRAFT_VOCAB) and len(drafted) > 1
 
 
-def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
-    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=MIXED_K)
-
-
 @pytest.mark.slow
 def test_eagle3_sampling_follows_the_target_law(small_vocab_eagle):
-    law = chisquare.exact_law(small_vocab_eagle.target, PROMPT, PARAMS, LENGTH, VOCAB)
-    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
-    assert chi_square_p(law, draw(small_vocab_eagle, 10_000, seed0=21_000_000)) > P_FAIL
-    chisquare.single_equals_batched(
-        small_vocab_eagle, 200, 22_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K
-    )
+    check_sampling_law(small_vocab_eagle, 10_000, 21_000_000, 200, 22_000_000)
 
 
 def test_an_eagle3_law_at_the_wrong_temperature_fails_the_test(small_vocab_eagle, monkeypatch):
     sharpen_head_laws(monkeypatch)
-    law = chisquare.exact_law(small_vocab_eagle.target, PROMPT, PARAMS, LENGTH, VOCAB)
+    law = exact_law(small_vocab_eagle)
     assert chi_square_p(law, draw(small_vocab_eagle, 6_000, seed0=23_000_000)) < P_FAIL
 
 

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import json
 
-import chisquare
 import mlx.core as mx
 import pytest
 from drafter_checks import (
-    MIXED_K,
     PROMPTS,
     bound_pair,
     check_greedy_exact,
+    check_sampling_law,
+    draw,
     greedy_requests,
     head_reference,
     recorded_drafts,
@@ -25,7 +25,7 @@ from drafter_checks import (
     spec_run_drafters,
     write_greedy_jobs,
 )
-from test_engine_sampling import LENGTH, P_FAIL, PARAMS, PROMPT, VOCAB, chi_square_p
+from test_engine_sampling import P_FAIL, chi_square_p, exact_law
 from tiny_families import build_model, tokenizer_dir
 from tiny_heads import add_mtp_head, to_hf_layout, to_shards
 
@@ -115,23 +115,14 @@ def test_a_head_that_keeps_its_chained_entries_fails_the_step_test(small_vocab_m
 
 
 # -- the sampling law --------------------------------------------------------------------
-def draw(pair, n: int, seed0: int, rows: int = chisquare.ROWS) -> dict:
-    return chisquare.draw(pair, n, seed0, PROMPT, PARAMS, LENGTH, rows=rows, setups=MIXED_K)
-
-
 @pytest.mark.slow
 def test_mtp_sampling_follows_the_target_law(small_vocab_mtp):
-    law = chisquare.exact_law(small_vocab_mtp.target, PROMPT, PARAMS, LENGTH, VOCAB)
-    assert min(law.values()) < 0.001 < max(law.values()), "the law should be far from uniform"
-    assert chi_square_p(law, draw(small_vocab_mtp, N_DRAWS, seed0=11_000_000)) > P_FAIL
-    chisquare.single_equals_batched(
-        small_vocab_mtp, N_EQUAL, 12_000_000, PROMPT, PARAMS, LENGTH, setups=MIXED_K
-    )
+    check_sampling_law(small_vocab_mtp, N_DRAWS, 11_000_000, N_EQUAL, 12_000_000)
 
 
 def test_an_mtp_law_at_the_wrong_temperature_fails_the_test(small_vocab_mtp, monkeypatch):
     sharpen_head_laws(monkeypatch)
-    law = chisquare.exact_law(small_vocab_mtp.target, PROMPT, PARAMS, LENGTH, VOCAB)
+    law = exact_law(small_vocab_mtp)
     assert chi_square_p(law, draw(small_vocab_mtp, N_MUTANT, seed0=13_000_000)) < P_FAIL
 
 
