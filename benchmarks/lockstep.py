@@ -5,6 +5,7 @@ issue 19's "benchmark harness noise").
     python benchmarks/lockstep.py --pairs demo --sizes 4 --runs 7
     python benchmarks/lockstep.py --fresh                  # new prompts every run
     python benchmarks/lockstep.py --quick                  # a smoke run
+    python benchmarks/lockstep.py --refill --pairs demo --sizes 4,16,32 --per-run 4
 
 Every contender (drafter "none"; drafter "model" with "auto", K = 1, K = 2; and a second
 "none", the control) decodes the same requests in its own batch, and the batches take
@@ -24,6 +25,12 @@ Also prints the median seconds of a step that drafted nothing, auto's against pl
 contender's greedy output equals plain decoding's (lossless), per run.
 
     python benchmarks/lockstep.py --pairs demo --sizes 4 --per-run 4 --ks 1,2,3 --kinds
+
+`--refill` is a worker's `--batch` workload: short prompts (12 tokens) and each request its
+own length (max_tokens drawn from 1/4 to 3/2 of `--max-tokens`, seeded by the run, the
+same for every contender), so rows finish and new ones join every few steps instead of
+all together (issue 49: 64 such requests through 16 demo rows read "auto" 0.85x plain
+run against run, where the fixed grid read >= 0.97x).
 
 `--ks` sets the fixed K contenders (default 1,2). `--kinds` also prints, per contender, its
 steps by kind, median over runs: full (every row in, none joining), join (rows joined:
@@ -167,12 +174,22 @@ def own_pair(pair):
 
 
 def requests_for(ids_list, drafter, k, max_tokens):
+    """One request per prompt; `max_tokens` an int for all, or a list, one per prompt."""
+    lengths = max_tokens if isinstance(max_tokens, list) else [max_tokens] * len(ids_list)
     return [
-        engine.GenerationRequest(
-            prompt_ids=ids, max_tokens=max_tokens, drafter=drafter, num_draft_tokens=k
-        )
-        for ids in ids_list
+        engine.GenerationRequest(prompt_ids=ids, max_tokens=m, drafter=drafter, num_draft_tokens=k)
+        for ids, m in zip(ids_list, lengths, strict=True)
     ]
+
+
+REFILL_PROMPT = 12  # tokens of each `--refill` prompt
+
+
+def refill_lengths(n: int, max_tokens: int, run: int) -> list[int]:
+    """`--refill`: run `run`'s n request lengths, from 1/4 to 3/2 of max_tokens (at least
+    1), the same for every contender of the run."""
+    rng = random.Random(1000 + run)
+    return [rng.randint(max(1, max_tokens // 4), max(1, max_tokens * 3 // 2)) for _ in range(n)]
 
 
 def fresh_prompts(pool: list, n: int, first: int = 0):
@@ -190,10 +207,12 @@ def prompts_label(fresh: bool) -> str:
     return "new prompts every run" if fresh else "the same prompts every run"
 
 
-def cell(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=(1, 2)) -> dict:
+def cell(
+    pair, ids_list, batch: int, runs: int, max_tokens: int, ks=(1, 2), refill: bool = False
+) -> dict:
     """Ratios against "none" per run, drafts per row-step, plain-step seconds, steps by
     kind. `ids_list`: every run's prompts, or a function of the run (0: the warm-up) giving
-    that run's (`--fresh`)."""
+    that run's (`--fresh`). `refill`: each request its own length (`refill_lengths`)."""
     field = ("ratio", "tps", "drafts", "plain_s", "kinds")
     lanes_of = contenders(ks)
     pairs_by = {name: own_pair(pair) for name, _, _ in lanes_of}
@@ -201,8 +220,9 @@ def cell(pair, ids_list, batch: int, runs: int, max_tokens: int, ks=(1, 2)) -> d
     out["lossless"] = [0, 0]  # contender runs whose outputs all equal plain's, of all
     for r in range(runs + 1):  # run 0 warms every contender up, untimed
         run_ids = ids_list(r) if callable(ids_list) else ids_list
+        lengths = refill_lengths(len(run_ids), max_tokens, r) if refill else max_tokens
         lanes = {
-            name: Lane(pairs_by[name], requests_for(run_ids, d, k, max_tokens), batch)
+            name: Lane(pairs_by[name], requests_for(run_ids, d, k, lengths), batch)
             for name, d, k in lanes_of
         }
         lockstep(lanes, seed=r)
@@ -237,6 +257,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="new prompts every run (a shuffled pool of every held-out function)",
     )
+    ap.add_argument(
+        "--refill",
+        action="store_true",
+        help="short prompts, each request its own length: rows join and leave as in a worker",
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cache", type=Path, default=pairs.CACHE)
     args = ap.parse_args(argv)
@@ -246,11 +271,18 @@ def main(argv=None) -> int:
     ks = [int(k) for k in args.ks.split(",")]
     fixed = [f"K={k}" for k in ks]
     demo = engine.load_pair(DEMO_TARGET, DEMO_DRAFT)
-    prompts = [ids for _, ids in prompt_sets.code_prompts(demo.tokenizer, 16, 48)]
-    pool = prompt_sets.prompt_pool(demo.tokenizer, 48) if args.fresh else []
+    length = REFILL_PROMPT if args.refill else 48
+    prompts = [ids for _, ids in prompt_sets.code_prompts(demo.tokenizer, 16, length)]
+    pool = prompt_sets.prompt_pool(demo.tokenizer, length) if args.fresh else []
+    news = (
+        f"{args.max_tokens // 4}-{args.max_tokens * 3 // 2} new tokens each (refilling), "
+        f"{REFILL_PROMPT}-token prompts"
+        if args.refill
+        else f"{args.max_tokens} new tokens"
+    )
     print(
-        f"# lockstep: {args.runs} runs, {args.per_run} x batch requests of {args.max_tokens} "
-        f"new tokens, greedy, {prompts_label(args.fresh)}; {demo.info()['blas']}"
+        f"# lockstep: {args.runs} runs, {args.per_run} x batch requests of {news}, "
+        f"greedy, {prompts_label(args.fresh)}; {demo.info()['blas']}"
     )
     print(
         "| pair | batch | none tok/s | control / none | auto / none | "
@@ -267,7 +299,7 @@ def main(argv=None) -> int:
             ids_list = (prompts * n)[:n]
             if args.fresh:
                 ids_list = fresh_prompts(pool, n)
-            got = cell(pair, ids_list, b, args.runs, args.max_tokens, ks)
+            got = cell(pair, ids_list, b, args.runs, args.max_tokens, ks, args.refill)
 
             def show(c, got=got):
                 r = got[c]["ratio"]

@@ -114,6 +114,35 @@ def test_lockstep_names_its_fixed_ks_and_splits_steps_by_kind():
     assert plain.split("|")[6].strip().startswith("0 /")  # plain rows finish together
 
 
+@pytest.mark.skipif(not (DEMO / "target").is_dir(), reason="the demo pair is not in engine/demo")
+def test_lockstep_refill_has_rows_joining_while_others_decode():
+    """`lockstep.py --refill` (a worker's `--batch` workload): each request its own length,
+    the same for every contender of a run, so rows join after the first step while others
+    decode (more than one join step), and every contender stays lossless."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import lockstep
+
+    a, b = lockstep.refill_lengths(64, 64, 3), lockstep.refill_lengths(64, 64, 4)
+    assert a == lockstep.refill_lengths(64, 64, 3) and a != b
+    assert min(a + b) >= 16 and max(a + b) <= 96 and len(set(a)) > 16
+    proc = _benchmark(
+        "lockstep.py", "--refill", "--pairs", "demo", "--sizes", "2", "--per-run", "3",
+        "--runs", "1", "--max-tokens", "8", "--ks", "1", "--kinds",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "(refilling), 12-token prompts" in lines[0], lines[0]
+    row = next(line for line in lines if line.startswith("| demo | 2 | ") and "/" in line)
+    n, total = row.strip("|").split("|")[-1].strip().split("/")
+    assert n == total == "8", row  # 4 contenders, each in the untimed run and the timed one
+    plain = next(line for line in lines if line.startswith("| demo | 2 | none |"))
+    cells = plain.strip("|").split("|")
+    join_steps, thin_steps = (int(cells[i].split("/")[0]) for i in (4, 5))
+    # 6 requests of unequal lengths through 2 rows: rows join while the other decodes, and
+    # the last two do not finish together (with equal lengths they do: no thin step)
+    assert join_steps >= 3 and thin_steps >= 1, plain
+
+
 def test_lockstep_fresh_prompts_are_new_every_run_until_the_pool_is_used():
     """`lockstep.py --fresh`: each run of a cell decodes prompts no other run decodes, as
     long as the pool lasts, then the pool again from its start."""
