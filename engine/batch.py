@@ -349,13 +349,15 @@ class BatchDecoder(Decoder):
             return drafts, q
         positions = {r.key: r.generated for r in self.rows}
         last = {r.key: r.target_pending for r in self.rows}
-        grammar = {
+        # Rows whose processors (bias, penalties, grammar) change the target's choice:
+        # a proposer that takes them drafts under them too (acceptance, not exactness).
+        processed = {
             r.key: r.logits
             for r in self.rows
-            if r.key in want and r.logits is not None and r.logits.constrained
+            if r.key in want and r.logits is not None and r.logits.transforms
         }
-        if grammar and self.proposer.masks_drafts:
-            by_key, laws = self.proposer.propose(want, positions, last, grammar=grammar)
+        if processed and self.proposer.masks_drafts:
+            by_key, laws = self.proposer.propose(want, positions, last, grammar=processed)
         else:
             by_key, laws = self.proposer.propose(want, positions, last)
         for i, row in enumerate(self.rows):

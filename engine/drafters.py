@@ -244,7 +244,8 @@ class ModelProposer(Proposer):
         runs through the same passes (`last` is not needed: a member's pending tokens
         end with it). Returns ({key: tokens}, {key: (k, V) law}) with
         laws only for sampled rows (over the target's vocabulary, padding rows 0).
-        `grammar`: {key: processors.RowLogits} of rows whose drafts the grammar masks."""
+        `grammar`: {key: processors.RowLogits} of rows whose processors (bias, penalties,
+        grammar) apply to their drafts (`DraftLogits`)."""
         waking = [key for key in self.cold if want.get(key, 0) > 0]
         if waking:
             self._warm(waking)
@@ -268,7 +269,7 @@ class ModelProposer(Proposer):
         feed = mx.array([m.pending[: m.read] + [0] * (width - m.read) for m in members])
         last = mx.array([m.read - 1 for m in members]) if width > 1 else None
         dv = self.draft_vocab
-        walkers = GrammarWalk(members, grammar, dv) if grammar else None
+        walkers = DraftLogits(members, grammar, dv) if grammar else None
         try:
             tokens, laws = self._passes(members, feed, last, width, depth, dv, walkers)
         finally:
@@ -293,7 +294,7 @@ class ModelProposer(Proposer):
 
     def _passes(self, members, feed, last, width: int, depth: int, dv: int, walkers):
         """The step's draft passes: a token (and, for sampled rows, its law) per member
-        at each depth; a grammar's rows drafted under its mask (`walkers`)."""
+        at each depth; rows with processors drafted under them (`walkers`)."""
         tokens, laws = [], []
         for step in range(depth):
             out = self.model(feed, cache=self.cache)
@@ -309,7 +310,7 @@ class ModelProposer(Proposer):
                 for m in members:
                     m.read += m.reading
             if walkers is not None:
-                logits = walkers.mask(logits)
+                logits = walkers.apply(logits)
             tok, law = self._sample(logits, step)
             if walkers is not None and step + 1 < depth:
                 walkers.walk(tok)
@@ -521,32 +522,87 @@ class DFlashProposer(Proposer):
         return []
 
 
-class GrammarWalk:
-    """The grammars of a draft step's constrained rows, walked over their own drafts:
-    each pass's logits are masked by every row's grammar after the drafts before it, so
-    the draft model proposes only tokens the grammar allows and a sampled row's law is
-    the masked one it drew from. The rows' matchers hold emitted tokens only: `rollback`
-    (always, when the step's passes end) takes the walked drafts back off."""
+class DraftLogits:
+    """The processors of a draft step's rows (`processors.RowLogits`), applied to every
+    draft pass as the target's verify pass will apply them, so the draft model proposes
+    what the processed target would choose (better acceptance) and a sampled row's law is
+    the processed one it drew from. In the verify pass's order: `logit_bias`; the
+    repetition penalty over the row's tokens so far and the drafts before this depth;
+    frequency and presence penalties over the row's output so far and those drafts; the
+    grammar's mask after those drafts (rows inside a thinking section: no mask).
 
-    def __init__(self, members, grammar: dict, vocab: int):
+    Each row's matcher holds emitted tokens only: `walk` feeds it the drafts of each depth
+    and `rollback` (always, when the step's passes end) takes them back off. The drafts'
+    own counts stay on the device (`extra`), added to each pass's base counts."""
+
+    def __init__(self, members, rows: dict, vocab: int):
         self.vocab = vocab
-        self.rows = {
-            j: grammar[m.key]
-            for j, m in enumerate(members)
-            if m.used and m.key in grammar and grammar[m.key].constrained
-        }
-        self.walked = dict.fromkeys(self.rows, 0)
-        self.live = set(self.rows)
+        n = len(members)
+        procs = {j: rows[m.key] for j, m in enumerate(members) if m.used and m.key in rows}
+        self.grammar = {j: p for j, p in procs.items() if p.constrained}
+        self.walked = dict.fromkeys(self.grammar, 0)
+        self.live = set(self.grammar)
         words = (max(vocab, 1) + 31) // 32
-        self.bitmask = np.full((len(members), words), -1, dtype=np.int32)
+        self.bitmask = np.full((n, words), -1, dtype=np.int32)
+        self.bias = self.seen = self.counts = None
+        if any(p._bias is not None for p in procs.values()):
+            self.bias = mx.array(self._stack(procs, n, lambda p: p._bias, np.float32))
+        penalised = [
+            j in procs and (procs[j].seen is not None or procs[j].counts is not None)
+            for j in range(n)
+        ]
+        if any(penalised):
+            # (rows, vocab): this step's drafts so far, in the rows with penalties
+            self.extra = mx.zeros((n, vocab), mx.float32)
+            self.penalised = mx.array([float(x) for x in penalised])
+        if any(p.seen is not None for p in procs.values()):
+            self.seen = mx.array(self._stack(procs, n, lambda p: p.seen, bool))
+            self.rp = mx.array([procs[j].repetition if j in procs else 1.0 for j in range(n)])
+        if any(p.counts is not None for p in procs.values()):
+            self.counts = mx.array(self._stack(procs, n, lambda p: p.counts, np.float32))
+            self.weights = mx.array(
+                [
+                    (procs[j].frequency, procs[j].presence) if j in procs else (0.0, 0.0)
+                    for j in range(n)
+                ],
+                dtype=mx.float32,
+            )
 
-    def mask(self, logits: mx.array) -> mx.array:
-        """(members, vocab) logits with each live row's disallowed tokens at -inf."""
+    def _stack(self, procs: dict, n: int, values, dtype) -> np.ndarray:
+        """(rows, vocab) of one processor's per-token array (zeros where a row has none),
+        cut or padded to the draft's vocabulary."""
+        out = np.zeros((n, self.vocab), dtype)
+        for j, p in procs.items():
+            v = values(p)
+            if v is not None:
+                m = min(len(v), self.vocab)
+                out[j, :m] = v[:m]
+        return out
+
+    def apply(self, logits: mx.array) -> mx.array:
+        """(members, vocab) logits processed for this depth."""
+        part = logits
+        if self.bias is not None or self.seen is not None or self.counts is not None:
+            part = part.astype(mx.float32)
+        if self.bias is not None:
+            part = part + self.bias
+        if self.seen is not None:
+            seen = self.seen | (self.extra > 0)
+            rp = self.rp[:, None]
+            part = mx.where(seen, mx.where(part > 0, part / rp, part * rp), part)
+        if self.counts is not None:
+            counts = self.counts + self.extra
+            w = self.weights
+            part = part - counts * w[:, 0, None] - (counts > 0) * w[:, 1, None]
+        return self._mask(part)
+
+    def _mask(self, logits: mx.array) -> mx.array:
+        """Each live row's disallowed tokens at -inf."""
         if not self.live:
             return logits
         self.bitmask.fill(-1)
         for j in self.live:
-            matcher = self.rows[j].matcher
+            matcher = self.grammar[j].matcher
             if matcher.is_stopped():
                 continue
             fill_next_token_bitmask(matcher, self.bitmask, j)
@@ -557,10 +613,16 @@ class GrammarWalk:
         return mx.where(allowed[:, : logits.shape[-1]], logits, -mx.inf)
 
     def walk(self, tokens: mx.array) -> None:
-        """Each live row's grammar takes the token it drafted at this depth."""
+        """The rows take the tokens they drafted at this depth: penalty counts on the
+        device, each live row's grammar on the host."""
+        if self.seen is not None or self.counts is not None:
+            rows = mx.arange(tokens.shape[0])
+            self.extra = self.extra.at[rows, tokens.astype(mx.int32)].add(self.penalised)
+        if not self.live:
+            return
         drafted = tokens.tolist()
         for j in list(self.live):
-            matcher = self.rows[j].matcher
+            matcher = self.grammar[j].matcher
             t = drafted[j]
             if matcher.is_stopped() or matcher.validate_tokens([t]) != 1:
                 self.live.discard(j)  # the drafts after it are cut (BatchDecoder._trim)
@@ -571,5 +633,5 @@ class GrammarWalk:
     def rollback(self) -> None:
         for j, n in self.walked.items():
             if n:
-                self.rows[j].matcher.rollback(n)
-        self.walked = dict.fromkeys(self.rows, 0)
+                self.grammar[j].matcher.rollback(n)
+        self.walked = dict.fromkeys(self.grammar, 0)

@@ -67,9 +67,11 @@ class Proposer(Protocol):
 
     #: The rows it has read, in its row order (cold rows excluded).
     members: list
-    #: It takes `propose(..., grammar={key: processors.RowLogits})` and drafts only tokens
-    #: those rows' grammars allow (its law masked the same way), walking each row's
-    #: matcher over its own drafts and rolling it back before it returns.
+    #: It takes `propose(..., grammar={key: processors.RowLogits})` and drafts under those
+    #: rows' processors: logit_bias and penalties over the row's tokens and its own drafts
+    #: before each depth, and only tokens the row's grammar allows (its law processed the
+    #: same way), walking each matcher over its drafts and rolling it back before it
+    #: returns. A proposer without it has its drafts cut at a grammar's first refusal.
     masks_drafts: bool = False
 
     def admit(self, joining: list[Joining], context: Any = None) -> None:

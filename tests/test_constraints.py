@@ -740,3 +740,75 @@ def test_the_draft_model_drafts_only_what_the_grammar_allows(pair, monkeypatch):
     assert sum(s.num_accepted_draft_tokens for s in unmasked) < sum(
         s.num_accepted_draft_tokens for s in spec
     )
+
+
+def test_each_draft_depth_sees_the_processors_and_the_drafts_before_it():
+    """The draft model's pass at depth i is processed as the target's verify pass will
+    process that position: bias, and penalties over the output so far plus the drafts of
+    depths before i (rows without processors, and rows that do not draft, untouched)."""
+    from types import SimpleNamespace
+
+    from engine.drafters import DraftLogits
+
+    rng = np.random.default_rng(5)
+    vocab, bias = 16, {3: 2.0, 5: -1.0}
+    rows = {
+        "a": processors.RowLogits(
+            vocab=vocab, eos=(0,), bias=bias, frequency=0.5, presence=0.25, repetition=1.5,
+            prompt=[1, 2],
+        ),
+        "c": processors.RowLogits(vocab=vocab, eos=(0,), frequency=-0.7, presence=1.0),
+        "d": processors.RowLogits(vocab=vocab, eos=(0,), frequency=0.9),
+    }  # fmt: skip
+    rows["a"].commit([4, 4])
+    rows["c"].commit([5])
+    members = [
+        SimpleNamespace(key="a", used=True),
+        SimpleNamespace(key="b", used=True),  # no processors
+        SimpleNamespace(key="c", used=True),
+        SimpleNamespace(key="d", used=False),  # not drafting this step
+    ]
+    walk = DraftLogits(members, rows, vocab)
+    drafted = {"a": [], "c": []}
+    for _depth in range(4):
+        logits = rng.normal(size=(4, vocab)).astype(np.float32)
+        got = np.array(walk.apply(mx.array(logits)))
+        want_a = _penalised(logits[0], [1, 2], [4, 4] + drafted["a"], bias, 0.5, 0.25, 1.5)
+        want_c = _penalised(logits[2], [], [5] + drafted["c"], {}, -0.7, 1.0, 1.0)
+        np.testing.assert_allclose(got[0], want_a, rtol=1e-6)
+        np.testing.assert_allclose(got[2], want_c, rtol=1e-6)
+        assert np.array_equal(got[1], logits[1]) and np.array_equal(got[3], logits[3])
+        tokens = [4, 9, 5, 6]  # repeats, so the step's own drafts change the counts
+        walk.walk(mx.array(tokens))
+        drafted["a"].append(tokens[0])
+        drafted["c"].append(tokens[2])
+
+
+def test_the_draft_model_drafts_under_the_rows_penalties_and_bias(pair, monkeypatch):
+    """A draft that is the target itself, drafting under the rows' logit_bias and
+    penalties, drafts exactly the processed target's choices: every draft of a row that
+    runs to its length passes, with and without a grammar. Drafting from the raw logits
+    loses drafts."""
+    from engine.drafters import ModelProposer
+
+    twin = dataclasses.replace(pair, draft=pair.target)
+    extra = dict(
+        frequency_penalty=0.6, presence_penalty=0.3, repetition_penalty=1.3, logit_bias={7: 2.0}
+    )
+    reqs = _requests("model", 4, [None, None, CONSTRAINTS["person"]], max_tokens=40, **extra)
+
+    def accepted(results) -> tuple[int, int]:
+        return (
+            sum(r.stats.num_accepted_draft_tokens for r in results),
+            sum(r.stats.num_draft_tokens for r in results),
+        )
+
+    results = _check_exact(twin, reqs)
+    # (A row that ends on EOS or its grammar's end loses the drafts past its end.)
+    ok, drafted = accepted([r for r in results if r.finish_reason == "length"])
+    assert drafted > 30 and ok == drafted
+    plain = reqs[:2]  # no grammar: what the penalties and the bias alone do to drafts
+    full, _ = accepted([engine.generate(twin, r) for r in plain])
+    monkeypatch.setattr(ModelProposer, "masks_drafts", False)  # the raw logits
+    raw, _ = accepted([engine.generate(twin, r) for r in plain])
+    assert raw < full, (raw, full)
