@@ -241,6 +241,9 @@ class BatchDecoder(Decoder):
             logits = self.pair.target(mx.array(inputs), cache=self.t_cache)
         raw = logits
         if self._processed:
+            # The pass runs while the host fills the grammars' masks (process fills them
+            # before it reads the logits).
+            mx.async_eval(logits)
             row_logits = [r.logits for r in self.rows]
             logits = processors.process(logits, row_logits, drafts, self._executor())
         results = self._verify(logits, drafts, q)

@@ -165,17 +165,24 @@ def process(logits: mx.array, rows: list, drafts: list[list[int]], executor) -> 
     The penalties of a row's state before the pass apply to every position as (r, 1, V)
     arrays on the device; the few entries the pass's own drafts change (token d[j] at
     the positions after j) are recomputed from their definition and written over them
-    (`_draft_entries`), so nothing of size W x V is built on the host."""
+    (`_draft_entries`), so nothing of size W x V is built on the host.
+
+    The grammars' masks are filled on the host first, before anything reads the logits:
+    a decoder that started the pass with `mx.async_eval` has llguidance's work overlap
+    the model's evaluation."""
     idx = [r for r, p in enumerate(rows) if p is not None and p.transforms]
     if not idx:
         return logits
     _, width, vocab = logits.shape
+    procs = [rows[r] for r in idx]
+    pass_drafts = [drafts[r] for r in idx]
+    bitmask = None
+    if any(p.matcher is not None for p in procs):
+        bitmask = _fill_masks(procs, pass_drafts, width, vocab, executor)
     logits = logits.astype(mx.float32)
     every = len(idx) == logits.shape[0]  # (a dataset job's rows share their request)
     rows_idx = mx.array(idx)
     part = logits if every else logits[rows_idx]
-    procs = [rows[r] for r in idx]
-    pass_drafts = [drafts[r] for r in idx]
     if any(p._bias is not None for p in procs):
         part = part + mx.array(np.stack([_or_zero(p._bias, vocab) for p in procs]))[:, None, :]
     biased = part
@@ -193,8 +200,8 @@ def process(logits: mx.array, rows: list, drafts: list[list[int]], executor) -> 
         at = (mx.array(j), mx.array(i), mx.array(t))
         values = np.array(biased[at])
         part[at] = mx.array(_penalised(values, procs, pass_drafts, j, i, t))
-    if any(p.matcher is not None for p in procs):
-        part = mx.where(_masks(procs, pass_drafts, width, vocab, executor), part, -mx.inf)
+    if bitmask is not None:
+        part = mx.where(_allowed(bitmask, procs, width, vocab), part, -mx.inf)
     if every:
         return part
     logits[rows_idx] = part
@@ -246,6 +253,12 @@ def _penalised(values, procs, drafts, rows, positions, tokens) -> np.ndarray:
 def _masks(procs, drafts, width: int, vocab: int, executor) -> mx.array:
     """(rows, width, vocab) booleans: the tokens each row's grammar allows at each
     verified position (all, where no grammar applies)."""
+    return _allowed(_fill_masks(procs, drafts, width, vocab, executor), procs, width, vocab)
+
+
+def _fill_masks(procs, drafts, width: int, vocab: int, executor) -> np.ndarray:
+    """(rows * width, words) llguidance bitmask of every row's verified positions, filled
+    on the host (-1, all allowed, where no grammar applies)."""
     words = (vocab + 31) // 32
     bitmask = np.full((len(procs) * width, words), -1, dtype=np.int32)
     par, plain = [], []  # (llguidance takes rows with drafts and rows without apart)
@@ -262,12 +275,21 @@ def _masks(procs, drafts, width: int, vocab: int, executor) -> mx.array:
         fill_next_token_bitmask_par_with_draft_tokens(executor, par, bitmask)
     if plain:
         fill_next_token_bitmask_par(executor, plain, bitmask)
-    # Unpacked on the device: bit b of word w allows token 32 * w + b.
+    return bitmask
+
+
+def _allowed(bitmask: np.ndarray, procs, width: int, vocab: int) -> mx.array:
+    """The bitmask unpacked on the device: bit b of word w allows token 32 * w + b."""
+    words = bitmask.shape[1]
     bits = mx.array(bitmask)[:, :, None] >> mx.arange(32, dtype=mx.int32)
     allowed = (bits & 1).astype(mx.bool_).reshape(len(procs), width, words * 32)[..., :vocab]
     # A position where nothing is allowed (the grammar ended, or refused the text):
-    # end the row rather than sample from nothing.
-    empty = np.array(~allowed.any(axis=-1))
+    # end the row rather than sample from nothing. Read from the host's bitmask (the
+    # bits of the vocabulary only), so nothing waits on the device here.
+    tail = vocab - 32 * (words - 1)  # bits of the last word inside the vocabulary
+    last = np.int32(-1) if tail == 32 else np.int32((1 << tail) - 1)
+    some = (bitmask[:, :-1] != 0).any(axis=1) | ((bitmask[:, -1] & last) != 0)
+    empty = ~some.reshape(len(procs), width)
     if empty.any():
         eos = np.zeros((len(procs), width, vocab), bool)
         for j, p in enumerate(procs):

@@ -275,13 +275,13 @@ def test_penalties_that_forget_the_drafts_of_the_same_pass_fail(pair, monkeypatc
 
 
 def test_a_mask_one_position_late_fails(pair, monkeypatch):
-    real = processors._masks
+    real = processors._allowed
 
-    def late(procs, drafts, width, vocab, executor):
-        m = real(procs, drafts, width, vocab, executor)
+    def late(bitmask, procs, width, vocab):
+        m = real(bitmask, procs, width, vocab)
         return np.concatenate([np.ones_like(m[:, :1]), m[:, :-1]], axis=1)
 
-    monkeypatch.setattr(processors, "_masks", late)
+    monkeypatch.setattr(processors, "_allowed", late)
     # Wrong tokens, or a grammar refusing what was emitted.
     with pytest.raises((AssertionError, processors.GrammarStateError)):
         _check_exact(pair, _requests("model", 3, [CONSTRAINTS["person"], CONSTRAINTS["regex"]]))
@@ -812,3 +812,22 @@ def test_the_draft_model_drafts_under_the_rows_penalties_and_bias(pair, monkeypa
     monkeypatch.setattr(ModelProposer, "masks_drafts", False)  # the raw logits
     raw, _ = accepted([engine.generate(twin, r) for r in plain])
     assert raw < full, (raw, full)
+
+
+def test_a_position_where_the_grammar_allows_nothing_allows_only_eos():
+    """Where a row's bitmask allows no token of the vocabulary (bits past its end do not
+    count), the position allows the row's EOS tokens, so the row ends instead of sampling
+    from nothing; other positions are the bitmask's bits."""
+    from types import SimpleNamespace
+
+    vocab = 40  # two words, the second with 8 bits inside the vocabulary
+    bitmask = np.array(
+        [[0, 0], [0, 1 << 9], [1 << 5, 0], [-1, -1]], dtype=np.int32
+    )  # row 0: positions 0, 1; row 1: positions 0, 1
+    procs = [SimpleNamespace(eos=(0, 3)), SimpleNamespace(eos=(2,))]
+    got = np.array(processors._allowed(bitmask, procs, 2, vocab))
+    assert got.shape == (2, 2, vocab)
+    assert np.flatnonzero(got[0, 0]).tolist() == [0, 3]
+    assert np.flatnonzero(got[0, 1]).tolist() == [0, 3]  # token 41 is past the vocabulary
+    assert np.flatnonzero(got[1, 0]).tolist() == [5]
+    assert got[1, 1].all()
