@@ -69,7 +69,10 @@ class RaggedRows:
             self.history.pop(0)
             for layer in self.layers:
                 layer.forget_oldest()
-        self._drop_dead_tail()
+        # Some row kept the last new position, so it is real and nothing after it is: no
+        # dead tail, and no need to read `valid` back (a sync point on every plain step).
+        if not (n_new and max(keep) >= n_new):
+            self._drop_dead_tail()
 
     def drop_last(self, counts: list[int]) -> None:
         """Mark the last counts[i] real tokens of row i as gone (a rollback)."""
