@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 from llguidance.numpy import fill_next_token_bitmask
 
-from . import sampling
+from . import processors, sampling
 from .families import make_ragged_cache
 from .interfaces import Joining, Proposer
 from .prefix import prefill_cached
@@ -587,13 +587,12 @@ class DraftLogits:
         if self.bias is not None:
             part = part + self.bias
         if self.seen is not None:
-            seen = self.seen | (self.extra > 0)
-            rp = self.rp[:, None]
-            part = mx.where(seen, mx.where(part > 0, part / rp, part * rp), part)
+            part = processors.repetition(part, self.seen | (self.extra > 0), self.rp[:, None])
         if self.counts is not None:
-            counts = self.counts + self.extra
             w = self.weights
-            part = part - counts * w[:, 0, None] - (counts > 0) * w[:, 1, None]
+            part = processors.frequency_presence(
+                part, self.counts + self.extra, w[:, 0, None], w[:, 1, None]
+            )
         return self._mask(part)
 
     def _mask(self, logits: mx.array) -> mx.array:

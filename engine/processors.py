@@ -189,11 +189,11 @@ def process(logits: mx.array, rows: list, drafts: list[list[int]], executor) -> 
     if any(p.seen is not None for p in procs):
         seen = mx.array(np.stack([_or_false(p.seen, vocab) for p in procs]))[:, None, :]
         rp = mx.array([p.repetition for p in procs], dtype=mx.float32)[:, None, None]
-        part = mx.where(seen, mx.where(part > 0, part / rp, part * rp), part)
+        part = repetition(part, seen, rp)
     if any(p.counts is not None for p in procs):
         counts = mx.array(np.stack([_or_zero(p.counts, vocab) for p in procs]))[:, None, :]
         w = mx.array([(p.frequency, p.presence) for p in procs], dtype=mx.float32)
-        part = part - counts * w[:, 0, None, None] - (counts > 0) * w[:, 1, None, None]
+        part = frequency_presence(part, counts, w[:, 0, None, None], w[:, 1, None, None])
     fix = _draft_entries(procs, pass_drafts, width, vocab)
     if fix is not None:
         j, i, t = fix
@@ -206,6 +206,17 @@ def process(logits: mx.array, rows: list, drafts: list[list[int]], executor) -> 
         return part
     logits[rows_idx] = part
     return logits
+
+
+def repetition(logits: mx.array, seen: mx.array, penalty: mx.array) -> mx.array:
+    """vLLM's repetition penalty where `seen`: a positive logit divided by it, a negative
+    one multiplied (arrays broadcast; the verify pass and the draft passes share it)."""
+    return mx.where(seen, mx.where(logits > 0, logits / penalty, logits * penalty), logits)
+
+
+def frequency_presence(logits, counts, frequency, presence) -> mx.array:
+    """OpenAI's formula: logit[t] -= count[t] * frequency + (count[t] > 0) * presence."""
+    return logits - counts * frequency - (counts > 0) * presence
 
 
 def _or_zero(values: np.ndarray | None, vocab: int) -> np.ndarray:
