@@ -78,7 +78,7 @@ def load_pairs(args, s: Settings):
     log(f"widening {target_dir} ({before:,} parameters) to intermediate_size {inter}")
     widened = pairs.widen(target_dir, s.total_params, cache=args.cache)
     useless = pairs.useless_draft(draft_dir, cache=args.cache)
-    log(f"loading {widened} + {draft_dir} (calibrating auto)")
+    log(f"loading {widened} + {draft_dir}")
     pair = engine.load_pair(widened, draft_dir)
     upair = pairs.with_draft(pair, useless, pair.name + "+useless")
     info = pair.info()
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     survey = sections.survey(pair, upair, survey_prompts, s, log, probe)
     kb = sections.best_k(survey, "b", s.mlx_ks)
     kc = sections.best_k(survey, "c", s.our_ks)
-    costs = sections.cost_model(pair, probe, survey, s)
+    costs = sections.cost_model(probe, survey, s)
     names = [sections.BASE, f"b{kb}", f"c{kc}"]
     names += [f"c{costs.best}"] if costs.best != kc else []
     log(f"(a)-(e): confirmation round: {', '.join(names)}, d, e")

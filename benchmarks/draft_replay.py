@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(v) != CHAIN + 1 or v[0] != 1.0:
         ap.error(f"--v needs {CHAIN + 1} values starting with 1.0")
 
-    pair = engine.load_pair(calibrate=False)
+    pair = engine.load_pair()
     runs = []
     for name, ids in prompt_sets.code_prompts(pair.tokenizer, args.prompts, args.prompt_tokens):
         cont = greedy_continuation(pair.target, ids, args.max_tokens)

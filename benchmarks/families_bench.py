@@ -97,8 +97,8 @@ def build(out: Path, family: str, hidden: int, seed: int) -> Path:
     return pairs._save(out, weights, config, DEMO_TARGET)
 
 
-def load(target: Path, draft: Path, calibrate: bool = True):
-    return engine.load_pair(target, draft, calibrate=calibrate)
+def load(target: Path, draft: Path):
+    return engine.load_pair(target, draft)
 
 
 def prompts(tokenizer, n: int, length: int) -> list[tuple[str, list[int]]]:

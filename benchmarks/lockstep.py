@@ -11,7 +11,7 @@ Every contender (drafter "none"; drafter "model" with "auto", K = 1, K = 2; and 
 "none", the control) decodes the same requests in its own batch, and the batches take
 turns one decode step at a time, in a new random order every round: a load burst on this
 shared machine lands on all of them within milliseconds. Each contender has its own copy
-of the pair's controller (calibrated once), so one's measurements never steer another.
+of a fresh draft-length policy, so one's measurements never steer another.
 A run is every contender through all its requests; the figure is the median over runs
 of tokens/s against the first "none", with the range, and the control's ratio beside it.
 By default every run decodes the same prompts (2 x batch of 16 held-out functions, so
@@ -54,6 +54,7 @@ import engine  # first: loads OpenBLAS before anything imports mlx
 
 # isort: split
 from engine.batch import new_decoder
+from engine.draft_length import DraftLengthPolicy
 from engine.loading import DEMO_DRAFT, DEMO_TARGET
 from engine.text import RequestRun
 
@@ -111,7 +112,6 @@ class Lane:
                 drafter=run.drafter,
                 num_draft_tokens=request.num_draft_tokens,
                 max_tokens=request.max_tokens,
-                plan=run.plan,
             )
         if not self.runs:
             self.done = True
@@ -167,9 +167,9 @@ def named_pair(name: str, demo, cache: Path, params: int):
 
 
 def own_pair(pair):
-    """The pair with its own copy of the calibrated controller."""
+    """The pair with a draft-length policy of its own, fresh (as a new worker starts)."""
     mine = copy.copy(pair)
-    mine.controller = copy.deepcopy(pair.controller)
+    mine.policy = DraftLengthPolicy()
     return mine
 
 

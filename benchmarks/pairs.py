@@ -24,7 +24,6 @@ import engine  # noqa: F401  (loads OpenBLAS before mlx is imported)
 import mlx.core as mx
 import mlx_lm
 
-from engine.adaptive import DraftController
 from engine.loading import ModelPair
 
 CACHE = Path(__file__).resolve().parent / ".cache"
@@ -134,7 +133,7 @@ def max_logit_difference(model_a, model_b, prompts: list[list[int]]) -> float:
 
 def with_draft(pair: ModelPair, draft_dir: Path, name: str) -> ModelPair:
     """`pair`'s target (the same loaded model) with the draft in `draft_dir`, and a
-    controller of its own, calibrated: the useless-draft pair of bench.py and lockstep.py."""
+    draft-length policy of its own: the useless-draft pair of bench.py and lockstep.py."""
     draft, _ = mlx_lm.load(str(draft_dir))
     other = ModelPair(
         target=pair.target,
@@ -147,5 +146,4 @@ def with_draft(pair: ModelPair, draft_dir: Path, name: str) -> ModelPair:
         draft_vocab=pair.draft_vocab,
         name=name,
     )
-    other.controller = DraftController.for_pair(other, calibrate=True)
     return other

@@ -1,11 +1,12 @@
-"""Greedy acceptance by draft position, at each fixed K, on the requests `regimes.py` and
-`lockstep.py` decode (issue 23: which K is best at a batch size).
+"""Greedy acceptance by draft position, at each fixed K, on the requests `lockstep.py`
+decodes (issue 23: which K is best at a batch size).
 
     python benchmarks/positions.py                          # demo, 4 rows, 8 and 16 requests
     python benchmarks/positions.py --per-run 2,4,8 --ks 1,2,3,4
 
-"auto" prices each K's tokens a row-step with one acceptance rate a:
-E(K) = 1 + a + ... + a^K (adaptive.expected_tokens). Greedy decoding tests, at each draft
+One acceptance rate a prices each K's tokens a row-step at
+E(K) = 1 + a + ... + a^K (engine.draft_length.expected_tokens([a], K); "auto" itself
+keeps a rate per position). Greedy decoding tests, at each draft
 position, whether the draft model's token equals the target's given the same text, and
 which positions a step tests depends on K: a step that passes all K drafts skips the next
 position (the target's own token), one that fails starts again just past the failure. So
@@ -28,15 +29,27 @@ from pathlib import Path
 import engine  # first: loads OpenBLAS before anything imports mlx
 
 # isort: split
+from engine.draft_length import expected_tokens
 from engine.loading import DEMO_DRAFT, DEMO_TARGET
-from engine.policy import expected_tokens
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lockstep  # noqa: E402
 import pairs  # noqa: E402
 import prompts as prompt_sets  # noqa: E402
-from regimes import draft_lengths  # noqa: E402
+
+
+def draft_lengths(text: str) -> list[int]:
+    """`--ks`, `--per-run`: comma-separated integers of at least 1 ("" for none)."""
+    try:
+        ks = [int(k) for k in text.split(",") if k.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"not a comma-separated list of integers: {text!r}"
+        ) from None
+    if any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"each value is at least 1: {text!r}")
+    return ks
 
 
 def passed(pair, ids_list, k: int, batch: int, max_tokens: int) -> Counter:
@@ -84,7 +97,7 @@ def main(argv=None) -> int:
     prompts = [ids for _, ids in prompt_sets.code_prompts(pair.tokenizer, 16, 48)]
     print(
         f"# positions: {args.pair} pair, batch {args.batch}, {args.max_tokens} new tokens a "
-        "request, greedy; the prompts of regimes.py and lockstep.py"
+        "request, greedy; the prompts of lockstep.py"
     )
     print(
         "| requests | K | row-steps | tokens a row-step | E(K) at K = 1's rate | over E(K) "
@@ -104,7 +117,7 @@ def main(argv=None) -> int:
             tokens = 1 + sum(got * c for got, c in counts.items()) / steps
             rates = by_position(counts, k)
             rate = rates[0] if k == 1 else rate
-            predicted = expected_tokens(rate, k)
+            predicted = expected_tokens([rate], k)
             print(
                 f"| {n} | {k} | {steps} | {tokens:.3f} | {predicted:.3f} | "
                 f"{tokens / predicted:.3f} | {', '.join(f'{r:.3f}' for r in rates)} |",

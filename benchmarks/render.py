@@ -12,7 +12,7 @@ import report
 from harness import Tally, median_ratio, ratios
 from sections import BASE, Costs, Jobs, Sampled
 
-from engine.adaptive import expected_tokens
+from engine.draft_length import expected_tokens
 
 LABELS = {
     BASE: "(a) mlx-lm stream_generate, target only (baseline)",
@@ -158,8 +158,8 @@ def jobs_section(s, j: Jobs, a: float) -> list[str]:
             str(k),
             f"{t * 1000:.0f}",
             f"{t / t0:.2f}",
-            f"{expected_tokens(a, k):.2f}",
-            f"{expected_tokens(a, k) / (t / t0):.2f}x",
+            f"{expected_tokens([a], k):.2f}",
+            f"{expected_tokens([a], k) / (t / t0):.2f}x",
         ]
         for k, t in j.pass_s.items()
     ]
@@ -192,8 +192,7 @@ def cost_section(s, costs: Costs, survey: dict[str, Tally], confirm: dict[str, T
         [
             str(k),
             f"{costs.verify[k]:.2f}",
-            f"{costs.engine_verify[k]:.2f}",
-            f"{expected_tokens(costs.a, k):.2f}",
+            f"{expected_tokens([costs.a], k):.2f}",
             f"{survey[f'c{k}'].acceptance_length:.2f}",
             f"{costs.predicted[k]:.2f}x",
             f"{costs.predicted_mal[k]:.2f}x",
@@ -206,15 +205,13 @@ def cost_section(s, costs: Costs, survey: dict[str, Tally], confirm: dict[str, T
         "### (i) Cost model",
         "Costs measured on this pair at each survey prompt's context, once per prompt inside "
         f"the round robin ({s.cost_reps} repetitions, medians): one target decode step "
-        f"{costs.step_s * 1000:.1f} ms; v(K) = a target pass over K + 1 tokens / that step; draft step cost ratio c = {costs.c:.3f} (the engine's "
-        f"live model: {costs.engine_c:.3f}); per-token acceptance a = {costs.a:.3f} (pooled "
+        f"{costs.step_s * 1000:.1f} ms; v(K) = a target pass over K + 1 tokens / that step; draft step cost ratio c = {costs.c:.3f}; per-token acceptance a = {costs.a:.3f} (pooled "
         "over the fixed-K runs of the survey). Predicted speedup = (1 - a^(K+1)) / (1 - a) / "
         "(v(K) + K c); ours = fixed K, decode-only, median per-prompt ratio vs (a).",
         report.table(
             [
                 "K",
                 "v(K) measured",
-                "v(K) in the engine's live model",
                 "E(K) from a",
                 "E(K) measured",
                 "predicted",

@@ -19,7 +19,7 @@ from harness import Contender, Tally
 from mlx_lm import batch_generate
 from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 
-from engine.adaptive import expected_tokens
+from engine.draft_length import expected_tokens
 
 BASE = "a"
 
@@ -223,8 +223,6 @@ class Costs:
     a: float  # per-token acceptance, from the fixed-K runs of round 1
     predicted: dict[int, float]  # (1 - a^(K+1)) / (1 - a) / (v(K) + K c)
     predicted_mal: dict[int, float]  # the same with the measured acceptance length
-    engine_verify: dict[int, float]  # what the engine's live cost model believes
-    engine_c: float
 
     @property
     def best(self) -> int:
@@ -287,23 +285,20 @@ def per_token_acceptance(stats: engine.SpecStats) -> float:
     return sum(app) / judged if judged else 0.0
 
 
-def cost_model(pair, probe: CostProbe, t: dict[str, Tally], s) -> Costs:
-    """Costs from the probes (medians), acceptance from the survey's fixed-K runs."""
+def cost_model(probe: CostProbe, t: dict[str, Tally], s) -> Costs:
+    """Costs from the probes (medians), acceptance from the survey's fixed-K runs: all
+    measured here (the engine times nothing at start-up to compare them with)."""
     verify = {k: statistics.median(probe.ratios[k + 1]) for k in range(0, 9)}
     c = statistics.median(probe.draft)
     pooled = engine.SpecStats(drafter="model")
     for k in s.our_ks:
         pooled.merge(t[f"c{k}"].stats)
     a = per_token_acceptance(pooled)
-    live = pair.controller  # the engine's own pass costs (seconds for n positions)
-    one = live.target(1)
     return Costs(
         step_s=statistics.median(probe.step),
         verify=verify,
         c=c,
         a=a,
-        predicted={k: expected_tokens(a, k) / (verify[k] + k * c) for k in s.our_ks},
+        predicted={k: expected_tokens([a], k) / (verify[k] + k * c) for k in s.our_ks},
         predicted_mal={k: t[f"c{k}"].acceptance_length / (verify[k] + k * c) for k in s.our_ks},
-        engine_verify={k: live.target(k + 1) / one for k in range(0, 9)},
-        engine_c=(live.draft(1) / one) if live.draft is not None else 0.0,
     )

@@ -6,7 +6,7 @@ loads without a word), a head trained for another target, a head read in the wro
 norm layout. Output stays exact, so the only symptom is lost speed ("auto" backs off
 quietly). The worker's start-up and `spec-doctor` run this check and name such a
 drafter with its likely causes. It runs on a copy of the pair without the prefix cache
-and with a fresh controller, so it leaves the pair's kept prefixes and measured speeds
+and with a fresh policy, so it leaves the pair's kept prefixes and measured speeds
 as they were.
 """
 
@@ -87,17 +87,16 @@ def check_acceptance(pair, tokens: int = PROBE_TOKENS) -> AcceptanceCheck | None
     Returns None where there is nothing to check: no draft or drafting head, or a target
     served with plain decoding only. Raises what the engine raises on a broken pair.
     """
-    from .adaptive import DraftController
     from .batch import SpeculativeDecoder
+    from .draft_length import DraftLengthPolicy
     from .sampling import SamplingParams
     from .text import prompt_ids
     from .types import GenerationRequest
 
     if pair.plain_only or (pair.draft is None and pair.dflash is None):
         return None
-    # A copy: no prefix cache and its own controller, so the pair's state stays as it was.
-    probe = replace(pair, prefix=None)
-    probe.controller = DraftController.for_pair(probe, calibrate=False)
+    # A copy: no prefix cache and its own policy, so the pair's state stays as it was.
+    probe = replace(pair, prefix=None, policy=DraftLengthPolicy())
     ids = prompt_ids(probe, GenerationRequest(prompt=PROBE_PROMPT))
     decoder = SpeculativeDecoder(
         probe,

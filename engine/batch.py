@@ -13,8 +13,9 @@ Every row's output is what it would be alone: greedy rows equal target-only
 decoding, and sampled rows use the same acceptance rule and the same
 (seed, position)-keyed randomness wherever they run.
 
-Draft lengths are the policy's (policy.DraftPolicy: `choose` before a step,
-`observe` after); this module is the mechanism. Model drafts come from the pair's
+Draft lengths are the pair's policy's (draft_length.DraftLengthPolicy: `decide`
+before a step, `observe` after, handed in as `pair.policy`); `_choose` says which rows
+draft and from where, and this module is the mechanism. Model drafts come from the pair's
 proposer (interfaces.Proposer, made by drafters.new_proposer); `decoder_class` is the
 one place a pair's decoder is picked.
 """
@@ -30,20 +31,43 @@ from contract.limits import MAX_DRAFT_TOKENS
 
 from . import core, processors, sampling
 from .core import Step
+from .draft_length import SampledSchedule, StepRecord, expected_tokens
 from .drafters import LookupIndex, new_proposer, prefill_rows, prefix_of
 from .families import make_ragged_cache
 from .interfaces import Decoder, Joining
 from .plain import PlainDecoder
-from .policy import HYBRID_MIN_NGRAM, Choice, DraftPolicy, Outcome
 from .prefix import prefill_cached
 from .processors import RowLogits
 
 # Squeeze holes out of a ragged cache once more than this share of its positions is waste.
 COMPACT_WASTE = 0.5
+#: Most drafts of a lookup "auto" proposal (free of draft passes, so they may run longer).
+LOOKUP_MAX_DRAFT = 12
+#: A greedy "auto" row drafted by the model takes a lookup draft instead where its last
+#: HYBRID_MIN_NGRAM tokens occurred before (single-token matches are too often chance),
+#: in a batch of at most HYBRID_MAX_ROWS rows (in a larger one the draft model reads the
+#: tokens it skipped over every row it holds, and rows that jump ahead finish apart:
+#: measured at the demo pair, 1.16x at 1 row, 0.92-0.94x at 4).
+HYBRID_MIN_NGRAM, HYBRID_MAX_ROWS = 2, 2
+#: A verify position's cost over a decode step, as a sampled row's schedule assumes it
+#: (static, so its output does not depend on the machine's load): a GPU verifies a few
+#: positions for about the price of one, a CPU pays about one pass per position.
+VERIFY_COST = {"gpu": 0.03, "cpu": 0.25}
 #: What a request for drafter "model" is told where the pair has no draft model.
 NO_DRAFT_MODEL = (
     "drafter: 'model' needs a draft model and this engine has none; use 'lookup' or 'none'"
 )
+
+
+@dataclass
+class Choice:
+    """A row's draft this step: how many tokens, from where ("model", "lookup",
+    "forced" or "none"), and the tokens of a lookup or forced proposal (model drafts
+    come later, in one batched pass)."""
+
+    k: int = 0
+    source: str = "none"
+    tokens: list | None = None
 
 
 @dataclass
@@ -53,7 +77,7 @@ class _Row:
     seed: int
     drafter: str  # "model", "lookup" or "none"
     fixed_k: int | None
-    plan: object  # adaptive.DraftPlan for "auto", else None
+    plan: SampledSchedule | None  # a sampled "auto" row's own draft lengths
     max_tokens: int
     target_pending: int
     lookup: LookupIndex | None = None  # lookup drafter, or greedy auto "model" (hybrid)
@@ -61,11 +85,11 @@ class _Row:
     cached_tokens: int = 0  # prompt tokens whose target state came from the prefix cache
     # The request's logits pipeline (penalties, biases, grammar, logprobs), or None.
     logits: RowLogits | None = None
-    # A greedy "auto" row (the batch picks its draft length); read every step, so kept.
+    # A greedy "auto" row (the policy picks its draft length); read every step, so kept.
     greedy_auto: bool = field(init=False)
 
     def __post_init__(self) -> None:
-        self.greedy_auto = self.params.greedy and self.fixed_k is None and self.plan is not None
+        self.greedy_auto = self.params.greedy and self.fixed_k is None and self.drafter != "none"
 
     def budget(self) -> int:
         # Never draft past max_tokens: the step's own target token is the last one.
@@ -86,7 +110,7 @@ class BatchDecoder(Decoder):
         self.proposer = new_proposer(pair)
         self._joining: list[tuple[_Row, list[int]]] = []  # added, not yet prefilled
         self._leaving: set = set()  # removed, still in the caches until the next step
-        self.policy = DraftPolicy(pair.controller, self.proposer)
+        self.policy = pair.policy  # draft_length.DraftLengthPolicy, or None: "auto" drafts nothing
 
     def __len__(self) -> int:
         return len(self.rows) - len(self._leaving) + len(self._joining)
@@ -102,7 +126,6 @@ class BatchDecoder(Decoder):
         drafter: str,
         num_draft_tokens,
         max_tokens: int,
-        plan=None,
         logits: RowLogits | None = None,
     ) -> None:
         """Queue a new row; it is prefilled, with every row joining at the same
@@ -113,29 +136,25 @@ class BatchDecoder(Decoder):
         if drafter == "model" and self.proposer is None:  # no draft model, no DFlash
             raise core.InvalidRequestError(NO_DRAFT_MODEL)
         fixed = None if num_draft_tokens == "auto" else int(num_draft_tokens)
+        plan = None
+        if fixed is None and not params.greedy and drafter != "none":
+            plan = self._schedule(drafter)
         row = _Row(key, params, seed, drafter, fixed, plan, max_tokens, prompt_ids[-1])
         row.logits = logits
         if drafter == "lookup":
             row.lookup = LookupIndex(list(prompt_ids))
-        elif drafter == "model" and row.greedy_auto and plan.lookup:
+        elif drafter == "model" and row.greedy_auto:
             row.lookup = LookupIndex(list(prompt_ids), min_ngram=HYBRID_MIN_NGRAM)
         self._joining.append((row, list(prompt_ids)))
 
-    def _admit_joining(self) -> tuple[float, int]:
+    def _admit_joining(self) -> None:
         """Prefill the joining rows and join them to the batch, in the places of rows
         leaving where they fit (`RaggedRows.place`: only their own positions are written),
-        else after the others (the rows left first). Returns the seconds of the join
-        itself (the rows leaving and the copies of the caches) and how many changes of rows
-        it made, not of the work each joining row costs once however rows join (its
-        prefill; a DFlash drafter reading its context: ~50 ms a row at 100M, priced as a
-        change it kept 4 equal rows from drafting)."""
+        else after the others (the rows left first)."""
         joining, self._joining = self._joining, []
         leaving, self._leaving = self._leaving, set()
-        seconds = 0.0
         if leaving and self.proposer is not None:
-            t0 = time.perf_counter()
             self.proposer.remove(leaving)  # (before admit: a key may leave and join again)
-            seconds += time.perf_counter() - t0
         prompts = [ids[:-1] for _, ids in joining]
         context = None
         if self.proposer is not None and self.proposer.needs_features:
@@ -159,25 +178,19 @@ class BatchDecoder(Decoder):
                 [Joining(r.key, ids, r.params, r.seed, r.drafter == "model") for r, ids in joining],
                 context,
             )
-        t0 = time.perf_counter()
         slots = [i for i, r in enumerate(self.rows) if r.key in leaving]
         placed = context is None and 0 < len(joining) <= len(slots) and self.t_rows.can_place(rows)
-        changes = 0
         if placed:
             self.t_rows.place(slots[: len(joining)], rows)
             for i, (row, _) in zip(slots, joining, strict=False):
                 self.rows[i] = row
-            slots, changes = slots[len(joining) :], 1
+            slots = slots[len(joining) :]
         if slots:  # rows leaving that no joining row took the place of
             gone = set(slots)
             self._keep([i for i in range(len(self.rows)) if i not in gone])
-            changes += 1
         if not placed:
             self.t_rows.append(rows)
             self.rows += [row for row, _ in joining]
-            changes += 1
-        self.policy.rows_changed(joined=True)
-        return seconds + time.perf_counter() - t0, changes
 
     def remove(self, key) -> None:
         """Drop a finished (or cancelled) row: at once if it has not joined yet, else at
@@ -188,15 +201,12 @@ class BatchDecoder(Decoder):
         if len(self._joining) == joining and any(r.key == key for r in self.rows):
             self._leaving.add(key)
 
-    def _drop_leaving(self) -> float:
-        """Take the removed rows out of the caches; returns the seconds it took."""
-        t0 = time.perf_counter()
+    def _drop_leaving(self) -> None:
+        """Take the removed rows out of the caches."""
         leaving, self._leaving = self._leaving, set()
         self._keep([i for i, r in enumerate(self.rows) if r.key not in leaving])
         if self.proposer is not None:
             self.proposer.remove(leaving)
-        self.policy.rows_changed()
-        return time.perf_counter() - t0
 
     def _keep(self, keep: list[int]) -> None:
         """Keep only these rows (indexes into `rows`), in the target's caches too."""
@@ -207,23 +217,22 @@ class BatchDecoder(Decoder):
     def step(self) -> dict:
         """One draft + verify step for every row: {row key: Step}."""
         start = time.perf_counter()
-        churn_s, events = 0.0, 0
         joined = bool(self._joining)
         if joined:
-            churn_s, events = self._admit_joining()
+            self._admit_joining()
         elif self._leaving:
-            churn_s, events = self._drop_leaving(), 1
+            self._drop_leaving()
         if not self.rows:
             return {}
         # The target never rolls back past this step (advance keeps only what passed), so
         # recurrent layers may forget the passes before it.
         self.t_rows.checkpoint()
-        choices = self.policy.choose(self.rows)
+        choices = self._choose()
         chosen, forced = choices, self._force(choices)
         if forced:
             choices = [forced.get(i, c) for i, c in enumerate(choices)]
         t0 = time.perf_counter()
-        drafts, q = self._draft(choices)
+        drafts, q, confidence = self._draft(choices)
         if self._constrained:
             self._trim(drafts, q)
         t1 = time.perf_counter()
@@ -248,53 +257,116 @@ class BatchDecoder(Decoder):
             logits = processors.process(logits, row_logits, drafts, self._executor())
         results = self._verify(logits, drafts, q)
         t2 = time.perf_counter()
-        accepted = [n for n, _ in results]  # what the drafts earned: the policy learns it
-        kept = drafts
-        if any(c.probe for c in choices):
-            results, kept = self._hold_back_probes(choices, drafts, results)
         keep = [1 + n for n, _ in results]
         self.t_rows.advance(width, keep)
         if features is not None:
             self.proposer.observe_target(features, keep)
-        steps = self._finish(choices, kept, results, t1 - t0, t2 - t1, raw)
-        if forced:  # tokens the grammar forced are no evidence of what drafting earns
-            choices = chosen
-            drafts = [[] if i in forced else d for i, d in enumerate(drafts)]
-            accepted = [0 if i in forced else n for i, n in enumerate(accepted)]
+        steps = self._finish(choices, drafts, results, t1 - t0, t2 - t1, raw)
         for rows in (self.t_rows, self.proposer.rows if self.proposer is not None else None):
             if rows is not None and rows.waste() > COMPACT_WASTE:
                 rows.compact()
-        self.policy.observe(
-            Outcome(
-                self.rows,
-                choices,
-                drafts,
-                accepted,
-                width,
-                t1 - t0,
-                t2 - t1,
-                start,
-                joined,
-                churn_s,
-                events,
-            )
-        )
+        self._observe(chosen, forced, drafts, results, confidence, start, joined)
         return steps
 
-    @staticmethod
-    def _hold_back_probes(choices, drafts, results):
-        """A probe's row keeps only the token plain decoding would have emitted (its first
-        draft if accepted, else the target's own), and its draft is no draft to the
-        request's statistics: the probe measured acceptance for the policy, and the row
-        stays in step with rows it would finish beside (a row that ran ahead would leave,
-        and its successor join, on steps of their own, each a copy of the caches)."""
-        results, kept = list(results), list(drafts)
-        for i, c in enumerate(choices):
-            if c.probe:
-                n, nxt = results[i]
-                results[i] = (0, drafts[i][0] if n else nxt)
-                kept[i] = []
-        return results, kept
+    # -- draft lengths -----------------------------------------------------------------
+    def _schedule(self, drafter: str) -> SampledSchedule:
+        """A sampled "auto" row's schedule, from what its drafter declares it costs."""
+        policy = self.policy
+        config = policy.config if policy is not None else None
+        proposer = self.proposer if drafter == "model" else None
+        draft_cost = proposer.draft_cost if proposer is not None else 0.0
+        block = proposer is not None and proposer.block
+        verify = VERIFY_COST["gpu" if mx.default_device() == mx.gpu else "cpu"]
+        return SampledSchedule(config, draft_cost, verify, block)
+
+    def _choose(self) -> list[Choice]:
+        """Every row's draft this step: a fixed K or a sampled row's schedule as it says,
+        greedy "auto" rows the policy's K (model rows) or their lookup proposal cut to the
+        policy's K (lookup rows, and model rows whose text repeats in a small batch)."""
+        rows, policy = self.rows, self.policy
+        choices = [Choice() for _ in rows]
+        model, lookup = [], []  # greedy "auto" rows: (index, budget[, proposal])
+        cap = self.proposer.max_draft if self.proposer is not None else None
+        cap = MAX_DRAFT_TOKENS if cap is None else cap
+        hybrid = len(rows) <= HYBRID_MAX_ROWS
+        for i, row in enumerate(rows):
+            budget = row.budget()
+            if row.drafter == "none" or budget == 0:
+                continue
+            if row.greedy_auto:
+                if policy is None:
+                    continue
+                if row.lookup is not None and (hybrid or row.drafter == "lookup"):
+                    free = row.lookup.propose(min(budget, LOOKUP_MAX_DRAFT))
+                    if free:
+                        lookup.append((i, free))
+                        continue
+                if row.drafter == "model":
+                    model.append((i, budget))
+                continue
+            k = row.fixed_k if row.fixed_k is not None else row.plan.choose(budget)
+            k = min(k, budget, cap) if row.drafter == "model" else min(k, budget)
+            if k and row.drafter == "lookup":
+                tokens = row.lookup.propose(k)
+                choices[i] = Choice(len(tokens), "lookup" if tokens else "none", tokens)
+            elif k:
+                choices[i] = Choice(k, "model")
+        n = len(rows)
+        k_model = 0
+        if model:
+            k_model = policy.decide(n, min(cap, max(b for _, b in model)), free=False)
+            for i, budget in model:
+                if k_model:
+                    choices[i] = Choice(min(k_model, budget), "model")
+        if lookup:
+            longest = max(len(t) for _, t in lookup)
+            k = policy.decide(n, longest, free=not k_model, source="lookup")
+            rates = policy.rates("model")
+            for i, tokens in lookup:
+                if k and rows[i].drafter == "model" and k_model:
+                    # The draft model runs for the batch anyway: the row takes whichever
+                    # draft is expected to pass more.
+                    mine = expected_tokens(policy.rates("lookup"), min(k, len(tokens)))
+                    if expected_tokens(rates, min(k_model, rows[i].budget())) > mine:
+                        choices[i] = Choice(min(k_model, rows[i].budget()), "model")
+                        continue
+                if k:
+                    choices[i] = Choice(min(k, len(tokens)), "lookup", tokens[:k])
+        return choices
+
+    def _observe(self, chosen, forced, drafts, results, confidence, start, joined) -> None:
+        """Tell the policy what the step did (tokens the grammar forced are no evidence
+        of what drafting earns, nor is a step whose draft length a request fixed)."""
+        if self.policy is None:
+            return
+        k, accepted, sources = [], [], []
+        auto = True
+        for i, (row, c, d, (n, _)) in enumerate(
+            zip(self.rows, chosen, drafts, results, strict=True)
+        ):
+            if i in forced or not d:
+                k.append(0)
+                accepted.append(0)
+                sources.append("model")
+                continue
+            auto = auto and row.fixed_k is None
+            k.append(len(d))
+            accepted.append(n)
+            sources.append(c.source)
+        free = any(k) and all(s != "model" for s, n in zip(sources, k, strict=True) if n)
+        self.policy.observe(
+            StepRecord(
+                rows=len(self.rows),
+                k=k,
+                accepted=accepted,
+                seconds=time.perf_counter() - start,
+                free=free,
+                clean=not joined,
+                sources=sources,
+                confidence=[confidence.get(r.key, []) for r in self.rows] if confidence else [],
+                auto=auto,
+            )
+        )
 
     @property
     def _processed(self) -> bool:
@@ -337,21 +409,19 @@ class BatchDecoder(Decoder):
                     q[i] = q[i][: len(kept)]
                 drafts[i] = kept
 
-    def _draft(self, choices: list[Choice]) -> tuple[list[list[int]], dict]:
+    def _draft(self, choices: list[Choice]) -> tuple[list[list[int]], dict, dict]:
+        """Every row's draft tokens, the laws of sampled rows' model drafts ({index: (k, V)})
+        and, where the draft model stopped early, its confidence in each draft ({key: [p]})."""
         drafts = [list(c.tokens or []) if c.source in ("lookup", "forced") else [] for c in choices]
         q: dict[int, mx.array] = {}
         want = {r.key: c.k for r, c in zip(self.rows, choices, strict=True) if c.source == "model"}
         if self.proposer is None or not want:
             # Nothing drafts by the model this step: the proposer is not asked (its
-            # commit then queues the emitted tokens for its rows, as after depth 0), and
-            # it ran no pass (a step of lookup drafts alone must not price the draft
-            # model's passes from its last propose: measured, near-zero draft seconds at
-            # the last depth poisoned those prices).
-            if self.proposer is not None:
-                self.proposer.depth_run = 0
-            return drafts, q
+            # commit then queues the emitted tokens for its rows, as after depth 0).
+            return drafts, q, {}
         positions = {r.key: r.generated for r in self.rows}
         last = {r.key: r.target_pending for r in self.rows}
+        extra = {}
         # Rows whose processors (bias, penalties, grammar) change the target's choice:
         # a proposer that takes them drafts under them too (acceptance, not exactness).
         processed = {
@@ -360,15 +430,34 @@ class BatchDecoder(Decoder):
             if r.key in want and r.logits is not None and r.logits.transforms
         }
         if processed and self.proposer.masks_drafts:
-            by_key, laws = self.proposer.propose(want, positions, last, grammar=processed)
-        else:
-            by_key, laws = self.proposer.propose(want, positions, last)
+            extra["grammar"] = processed
+        confidence: dict = {}
+        policy = self.policy
+        if (
+            self.proposer.stops_early
+            and policy is not None
+            and policy.config.early_stop
+            and all(
+                r.greedy_auto
+                for r, c in zip(self.rows, choices, strict=True)
+                if c.source == "model"
+            )
+        ):
+            # Greedy "auto" rows only: their text does not depend on where drafts end.
+            n, depth = len(self.rows), max(want.values())
+
+            def keep_drafting(probs: dict) -> bool:
+                confidence.update(probs)
+                return policy.keep_drafting(n, depth, list(probs.values()))
+
+            extra["stop"] = keep_drafting
+        by_key, laws = self.proposer.propose(want, positions, last, **extra)
         for i, row in enumerate(self.rows):
             if row.key in by_key:
                 drafts[i] = by_key[row.key]
                 if row.key in laws:
                     q[i] = laws[row.key]
-        return drafts, q
+        return drafts, q, confidence
 
     def _verify(self, logits, drafts, q) -> list[tuple[int, int]]:
         results: list = [None] * len(self.rows)
@@ -475,8 +564,8 @@ def request_drafter(pair, drafter: str) -> str:
 class SpeculativeDecoder:
     """One request through the one decoder (a batch of one); iterate `steps()`.
 
-    num_draft_tokens is an int (1..16), "auto" (then `plan`, an adaptive.DraftPlan,
-    holds the request's acceptance), or 0 for plain decoding.
+    num_draft_tokens is an int (1..16), "auto" (the pair's policy's choice), or 0 for
+    plain decoding.
     """
 
     KEY = 0
@@ -491,15 +580,10 @@ class SpeculativeDecoder:
         drafter: str = "model",
         num_draft_tokens: int | str = "auto",
         max_tokens: int = 256,
-        plan=None,
         logits: RowLogits | None = None,
     ):
         if num_draft_tokens == 0 or not decoder_class(pair).speculative:
             drafter, num_draft_tokens = "none", 1
-        if num_draft_tokens == "auto" and plan is None and drafter != "none":
-            if pair.controller is None:
-                raise core.InvalidRequestError("num_draft_tokens 'auto' needs a calibrated pair")
-            plan = pair.controller.plan(drafter, params.greedy)
         self.batch = new_decoder(pair)
         self.batch.add(
             self.KEY,
@@ -509,7 +593,6 @@ class SpeculativeDecoder:
             drafter=drafter,
             num_draft_tokens=num_draft_tokens,
             max_tokens=max_tokens,
-            plan=plan,
             logits=logits,
         )
         self.max_tokens = max_tokens

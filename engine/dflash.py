@@ -398,12 +398,6 @@ class DFlashDrafter:
         """The proposer that drafts with this drafter (one block pass per step)."""
         return DFlashProposer(self, target_vocab)
 
-    def measure_costs(self, target: nn.Module):
-        """Seconds of one block pass for b rows (adaptive.PassCosts)."""
-        from .adaptive import measure_block_costs
-
-        return measure_block_costs(self, target)
-
     def info(self) -> dict:
         """Facts for logs and `spec-doctor`."""
         return {

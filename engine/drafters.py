@@ -13,7 +13,6 @@ their own after verification. Both it and `DFlashProposer` are `interfaces.Propo
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -37,12 +36,20 @@ def new_proposer(pair) -> Proposer | None:
     EAGLE-3 head: `pair.dflash.proposer`), a `ModelProposer` over its draft LM, or None
     when it has neither (then only prompt lookup drafts)."""
     if pair.dflash is not None:
-        return pair.dflash.proposer(pair.target_vocab)
-    if pair.draft is not None:
-        return ModelProposer(
+        proposer = pair.dflash.proposer(pair.target_vocab)
+        drafter_params = pair.dflash.info().get("parameters")
+    elif pair.draft is not None:
+        proposer = ModelProposer(
             pair.draft, pair.draft_vocab, pair.target_vocab, prefix=prefix_of(pair, "draft")
         )
-    return None
+        drafter_params = pair.info()["draft_parameters"]
+    else:
+        return None
+    target_params = pair.info()["target_parameters"]
+    if drafter_params and target_params:
+        # What it costs, declared: a drafter pass over a target pass, by their sizes.
+        proposer.draft_cost = max(drafter_params / target_params, 0.05)
+    return proposer
 
 
 def prefix_of(pair, role: str):
@@ -139,11 +146,6 @@ class _Member:
     reading: bool = False  # it does not draft, and the next chained pass reads its backlog
 
 
-#: A drafting row's pending tokens after a step whose drafts all passed (its last draft,
-#: never fed back, and the target's token): the first draft pass's usual width.
-USUAL_READS = 2
-
-
 class ModelProposer(Proposer):
     """Batched drafting with a draft LM (`needs_features` False: it reads only tokens).
     Rows join (`admit`), leave (`remove`), get `propose(want)` drafts, then `commit`
@@ -164,6 +166,7 @@ class ModelProposer(Proposer):
 
     kind = "model"
     masks_drafts = True
+    stops_early = True
 
     def __init__(self, model, draft_vocab: int, target_vocab: int, prefix=None):
         self.model = model
@@ -174,13 +177,7 @@ class ModelProposer(Proposer):
         self.members: list[_Member] = []  # rows in the draft cache, in its row order
         self.cold: dict = {}  # key -> (tokens so far, params, seed): not read yet
         self.depth = 0  # draft passes of the step in progress (reset by commit)
-        self.depth_run = 0  # draft passes run by the last propose()
         self._sampled: list[_Member] = []  # members drawing samples at this depth
-        # (positions, seconds) of this step's one-off reads: cold rows' prefill
-        self.last_read: tuple[int, float] | None = None
-        # Positions of backlog the last propose()'s first pass read beyond two a drafting
-        # row: its draft seconds are not those of a usual step of its depth.
-        self.backlog_read = 0
 
     def admit(self, joining: list[Joining], context=None) -> None:
         """Rows that draft by the model join cold (see the class docstring); the others
@@ -192,15 +189,12 @@ class ModelProposer(Proposer):
     def _warm(self, keys: list) -> None:
         """Prefill cold rows with every token they have; the newest stays pending, as
         in the target."""
-        positions = sum(self.cold_tokens(key) for key in keys)
         found = [(key, *self.cold.pop(key)) for key in keys]
         prompts = [ids[:-1] for _, ids, _, _ in found]
-        start = time.perf_counter()
         if self.prefix is not None:
             rows, _, _ = prefill_cached(self.model, prompts, self.prefix)
         else:
             rows, _ = prefill_rows(self.model, prompts)
-        self.last_read = (positions, time.perf_counter() - start)
         # A fresh ragged cache's layer objects are grafted onto ours by RaggedRows.append.
         self.rows.append(rows)
         self.members += [_Member(key, [ids[-1]], params, seed) for key, ids, params, seed in found]
@@ -213,22 +207,6 @@ class ModelProposer(Proposer):
         kept = self.prefix.kept_length(ids[:-1]) if self.prefix is not None else 0
         return len(ids) - kept
 
-    def read_cost(self, keys) -> int:
-        """Positions the draft model runs, beyond a step's usual one-token pass, before it
-        can draft for these rows: the cold ones' prefill, then a catch-up pass as wide
-        as the longest backlog among them (accepted tokens it has not read, less the
-        newest) over every row it holds. A row drafted every step has no backlog; one
-        left out of drafting for n steps has n tokens of it. (A backlog is read by the
-        first draft pass: these positions widen it, and a backlog of two, what a step
-        whose drafts all passed leaves, is its usual width.)"""
-        keys = set(keys)
-        prefill = sum(self.cold_tokens(k) for k in keys if k in self.cold)
-        backlog = max((len(m.pending) for m in self.members if m.key in keys), default=1)
-        if backlog <= USUAL_READS:
-            backlog = 1
-        waking = sum(1 for k in keys if k in self.cold)
-        return prefill + (len(self.members) + waking) * (backlog - 1)
-
     def remove(self, keys: set) -> None:
         for key in keys:
             self.cold.pop(key, None)
@@ -238,20 +216,26 @@ class ModelProposer(Proposer):
             self.members = [self.members[i] for i in keep]
 
     def propose(
-        self, want: dict, positions: dict, last: dict | None = None, grammar: dict | None = None
+        self,
+        want: dict,
+        positions: dict,
+        last: dict | None = None,
+        grammar: dict | None = None,
+        stop=None,
     ) -> tuple[dict, dict]:
         """Draft want[key] tokens for each member key (0 or absent: none); every member
         runs through the same passes (`last` is not needed: a member's pending tokens
         end with it). Returns ({key: tokens}, {key: (k, V) law}) with
         laws only for sampled rows (over the target's vocabulary, padding rows 0).
         `grammar`: {key: processors.RowLogits} of rows whose processors (bias, penalties,
-        grammar) apply to their drafts (`DraftLogits`)."""
+        grammar) apply to their drafts (`DraftLogits`). `stop`: after each pass it is
+        called with {key: [the draft model's probability of each draft so far]} of the
+        drafting rows, and the drafts end where it returns False (early stopping)."""
         waking = [key for key in self.cold if want.get(key, 0) > 0]
         if waking:
             self._warm(waking)
         depth = max((want.get(m.key, 0) for m in self.members), default=0)
-        self.depth = self.depth_run = depth
-        self.backlog_read = 0
+        self.depth = depth
         for m in self.members:
             m.used = want.get(m.key, 0) > 0
             m.position = positions.get(m.key, 0)
@@ -263,7 +247,6 @@ class ModelProposer(Proposer):
         # backlog as fit for a row that does not draft; each row's first draft is at its
         # last token read.
         width = max(len(m.pending) for m in members if m.used)
-        self.backlog_read = 0 if width <= USUAL_READS else len(members) * (width - USUAL_READS)
         for m in members:
             m.read, m.reading = min(width, len(m.pending)), False
         feed = mx.array([m.pending[: m.read] + [0] * (width - m.read) for m in members])
@@ -271,7 +254,7 @@ class ModelProposer(Proposer):
         dv = self.draft_vocab
         walkers = DraftLogits(members, grammar, dv) if grammar else None
         try:
-            tokens, laws = self._passes(members, feed, last, width, depth, dv, walkers)
+            tokens, laws = self._passes(members, feed, last, width, depth, dv, walkers, stop)
         finally:
             if walkers is not None:
                 walkers.rollback()
@@ -292,10 +275,13 @@ class ModelProposer(Proposer):
                 q[m.key] = stacked[sampled[m.key], :k]
         return drafts, q
 
-    def _passes(self, members, feed, last, width: int, depth: int, dv: int, walkers):
+    def _passes(self, members, feed, last, width: int, depth: int, dv: int, walkers, stop):
         """The step's draft passes: a token (and, for sampled rows, its law) per member
-        at each depth; rows with processors drafted under them (`walkers`)."""
+        at each depth; rows with processors drafted under them (`walkers`); fewer passes
+        where `stop` says so (`self.depth` is then the passes run)."""
         tokens, laws = [], []
+        used = [j for j, m in enumerate(members) if m.used]
+        probs: dict = {members[j].key: [] for j in used}
         for step in range(depth):
             out = self.model(feed, cache=self.cache)
             if step == 0 and last is not None:
@@ -316,6 +302,14 @@ class ModelProposer(Proposer):
                 walkers.walk(tok)
             tokens.append(tok)
             laws.append(law)
+            if stop is not None:
+                top = logits[mx.array(used)]
+                sure = mx.exp(mx.max(top, axis=-1) - mx.logsumexp(top, axis=-1)).tolist()
+                for j, p in zip(used, sure, strict=True):
+                    probs[members[j].key].append(p)
+                if step + 1 < depth and not stop(probs):
+                    self.depth = step + 1
+                    break
             if step + 1 < depth:
                 for m in members:
                     m.reading = not m.used and m.read < len(m.pending)
@@ -408,7 +402,7 @@ class DFlashProposer(Proposer):
         self.keys: list = []  # decoder row keys, in state row order
         self.params: dict = {}
         self.seeds: dict = {}
-        self.depth = self.depth_run = 0
+        self.depth = 0
         self.max_draft = drafter.block_size - 1
         self._steps = 0
 
@@ -453,7 +447,7 @@ class DFlashProposer(Proposer):
         """Draft want[key] tokens per row from one block pass; `last` maps each key to
         the row's newest (pending) token. Laws only for sampled rows."""
         depth = min(max(want.values(), default=0), self.max_draft)
-        self.depth = self.depth_run = 1 if depth else 0
+        self.depth = 1 if depth else 0
         if depth == 0:
             return {}, {}
         if self.drafter.chained:

@@ -29,7 +29,7 @@ from .blocks import Projections, SwiGLU
 from .capture import capture_layers, target_layers
 from .checkpoints import float32, load_strict, read_safetensors
 from .dflash import _target_width_and_vocab, target_embed_and_head
-from .heads import HeadProposer, PrefillHidden, measure_head_costs
+from .heads import HeadProposer, PrefillHidden
 from .types import ModelLoadError
 
 
@@ -241,10 +241,6 @@ class Eagle3Drafter:
             f"draft vocabulary {d['draft_vocab_size']} of {self.target_vocab}, "
             f"{d['parameters'] / 1e6:.3g}M parameters"
         )
-
-    def measure_costs(self, target):
-        """Seconds of one head pass plus its logits for b rows (adaptive.PassCosts)."""
-        return measure_head_costs(self)
 
 
 def _read_weights(path: Path) -> dict:

@@ -11,7 +11,6 @@ tokens are read again with the target's features of the verify pass, as heads ar
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -30,28 +29,6 @@ class PrefillHidden:
         for i, k in enumerate(keep):
             if k:
                 self.parts[i].append(features[i, :k])
-
-
-def measure_head_costs(drafter, sizes=(1, 2, 4, 8, 16, 32), reps: int = 2):
-    """Seconds of one chained head pass plus its logits for b rows (adaptive.PassCosts)."""
-    from .adaptive import PassCosts
-    from .families import make_ragged_cache
-
-    points = {}
-    for b in sizes:
-        rows, cache = make_ragged_cache(drafter.head, b)
-        features = mx.zeros((b, 32, drafter.feature_size))
-        out = drafter.step(mx.ones((b, 32), dtype=mx.int32), features, cache)
-        rows.advance(32, [32] * b)
-        best = float("inf")
-        for _ in range(reps + 1):
-            t0 = time.perf_counter()
-            out = drafter.step(mx.ones((b, 1), dtype=mx.int32), out[:, -1:], cache)
-            mx.eval(drafter.logits(out))
-            best = min(best, time.perf_counter() - t0)
-            rows.advance(1, [1] * b)
-        points[b] = best
-    return PassCosts(points)
 
 
 @dataclass
@@ -74,6 +51,7 @@ class HeadProposer(ModelProposer):
     needs_features = True
     block = False
     masks_drafts = False  # its drafts are cut at a grammar's refusal instead
+    stops_early = False  # it drafts its block to the K asked
 
     def __init__(self, drafter, target_vocab: int):
         super().__init__(drafter.head, target_vocab, target_vocab)
@@ -136,7 +114,7 @@ class HeadProposer(ModelProposer):
         """Draft want[key] tokens per member key from K head passes. Returns ({key:
         tokens}, {key: (k, V) law}) with laws only for sampled rows."""
         depth = max((want.get(m.key, 0) for m in self.members), default=0)
-        self.depth = self.depth_run = depth
+        self.depth = depth
         for m in self.members:
             m.used = want.get(m.key, 0) > 0 and bool(m.pending)
             m.position = positions.get(m.key, 0)

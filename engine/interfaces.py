@@ -55,16 +55,13 @@ class Proposer(Protocol):
     #: The ragged rows of its own cache, which the decoder compacts with the target's
     #: (None: it keeps none, or compacts its context itself).
     rows: Any = None
-    #: Passes run by this step's `propose`; the decoder sets it to 0 on a step that does
-    #: not ask for model drafts (statistics, pass pricing).
-    depth_run: int = 0
-    #: (positions, seconds) of the last step's one-off reads (cold rows' prefill), or
-    #: None (read-cost pricing).
-    last_read: tuple[int, float] | None = None
-    #: Positions of backlog the last `propose`'s passes read beyond their usual width:
-    #: its draft seconds are not a usual step's of its depth (draft-pass pricing).
-    backlog_read: int = 0
-
+    #: What one drafter pass costs against one target pass (by their sizes): the one
+    #: figure a sampled "auto" row's static schedule prices drafts by. The batch's policy
+    #: measures the real costs (draft_length.DraftLengthPolicy); a drafter keeps none.
+    draft_cost: float = 0.1
+    #: `propose(..., stop=f)` ends the drafts where f, shown its confidence in each draft
+    #: so far, returns False (early stopping; see drafters.ModelProposer.propose).
+    stops_early: bool = False
     #: The rows it has read, in its row order (cold rows excluded).
     members: list
     #: It takes `propose(..., grammar={key: processors.RowLogits})` and drafts under those
@@ -102,12 +99,6 @@ class Proposer(Protocol):
         """Accepted tokens of a row the proposer has not read yet."""
         ...
 
-    def read_cost(self, keys) -> int:
-        """Positions it would run, beyond a step's usual pass, before it can draft for
-        these rows (a cold row's first read, a backlog of tokens it has not seen); 0 for
-        a proposer that is always up to date."""
-        return 0
-
     def capture(self, target):
         """A context manager: target passes inside it record their features."""
         raise NotImplementedError
@@ -141,7 +132,6 @@ class Decoder(Protocol):
         drafter: str,
         num_draft_tokens,
         max_tokens: int,
-        plan=None,
     ) -> None:
         """Queue a row; raises core.InvalidRequestError for an empty prompt."""
         ...

@@ -15,6 +15,7 @@ from mlx.utils import tree_flatten
 from .blas import blas_info
 from .checkpoints import to_float32
 from .dflash import is_dflash_dir, load_dflash
+from .draft_length import DraftLengthPolicy
 from .eagle3 import is_eagle3_dir, load_eagle3
 from .mtp import is_mtp_spec, load_mtp
 from .types import ModelLoadError, TokenizerMismatchError
@@ -32,7 +33,8 @@ class ModelPair:
     """A loaded target, an optional draft, and the target's tokenizer.
 
     `draft_vocab` is how many draft rows map onto target token ids (the shared
-    vocabulary); `controller` holds per-process speed measurements for "auto".
+    vocabulary); `policy` picks "auto"'s draft lengths from what this process measures
+    (engine.draft_length: pure Python, learnt online, nothing timed at start-up).
     """
 
     target: nn.Module
@@ -44,7 +46,7 @@ class ModelPair:
     target_vocab: int
     draft_vocab: int
     name: str
-    controller: Any = field(default=None, repr=False)
+    policy: DraftLengthPolicy = field(default_factory=DraftLengthPolicy, repr=False)
     #: A drafter that reads target hidden states (draft is None): an engine.dflash
     #: DFlashDrafter, the target's own MTP head (engine.mtp, --draft mtp) or an EAGLE-3
     #: head (engine.eagle3).
@@ -162,7 +164,6 @@ def load_pair(
     draft: str | os.PathLike | None = None,
     *,
     use_draft: bool = True,
-    calibrate: bool = True,
     prefix_cache_bytes: int | None = None,
 ) -> ModelPair:
     """Load a target and a draft (local directories or hub ids) once.
@@ -224,13 +225,9 @@ def load_pair(
         dflash=dflash,
         plain_only=plain_only,
     )
-    from .adaptive import DraftController
     from .prefix import pair_caches
 
     pair.prefix = pair_caches(pair, prefix_cache_bytes)
-
-    # Calibration times speculative passes, which a plain-only target never runs.
-    pair.controller = DraftController.for_pair(pair, calibrate=calibrate and not plain_only)
     log.info("loaded %s on %s, %s", pair.name, mx.default_device(), blas_info())
     if plain_only:
         log.warning(

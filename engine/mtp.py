@@ -28,7 +28,7 @@ from mlx.utils import tree_flatten
 from .capture import capture_layers
 from .checkpoints import load_strict
 from .dflash import target_embed_and_head
-from .heads import HeadProposer, PrefillHidden, measure_head_costs
+from .heads import HeadProposer, PrefillHidden
 from .types import ModelLoadError
 
 #: What `--draft` says to draft with the target's own MTP head.
@@ -142,10 +142,6 @@ class MTPDrafter:
             f"the target's own MTP head, {d['layers']} layer(s), "
             f"{d['parameters'] / 1e6:.3g}M parameters, layout {d['layout']}"
         )
-
-    def measure_costs(self, target):
-        """Seconds of one head pass plus the LM head for b rows (adaptive.PassCosts)."""
-        return measure_head_costs(self)
 
 
 def _inner(target: nn.Module):

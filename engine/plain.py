@@ -58,10 +58,9 @@ class PlainDecoder(Decoder):
         drafter: str = "none",
         num_draft_tokens=1,
         max_tokens: int = 0,
-        plan=None,
         logits: processors.RowLogits | None = None,
     ) -> None:
-        """Queue a row (drafter, num_draft_tokens, max_tokens and plan are not used:
+        """Queue a row (drafter, num_draft_tokens, and max_tokens are not used:
         nothing drafts here, and the caller stops the row)."""
         if not prompt_ids:
             raise InvalidRequestError("the prompt is empty: give at least one token")

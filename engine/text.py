@@ -244,9 +244,6 @@ class RequestRun:
         self.seed = (
             request.seed if request.seed is not None else int.from_bytes(os.urandom(8), "little")
         )
-        self.plan = None
-        if request.num_draft_tokens == "auto" and self.drafter != "none":
-            self.plan = pair.controller.plan(self.drafter, self.params.greedy)
         # "model" is the worker's draft, whatever its kind; statistics name the kind.
         self.stats = SpecStats(
             drafter=pair.drafter_kind if self.drafter == "model" else self.drafter
@@ -280,7 +277,6 @@ class RequestRun:
             drafter=self.drafter,
             num_draft_tokens=r.num_draft_tokens,
             max_tokens=r.max_tokens,
-            plan=self.plan,
             logits=self.logits,
         )
 
@@ -465,7 +461,6 @@ def generate_many(
                 drafter=run.drafter,
                 num_draft_tokens=request.num_draft_tokens,
                 max_tokens=request.max_tokens,
-                plan=run.plan,
                 logits=run.logits,
             )
         if not runs:

@@ -127,12 +127,10 @@ def our_drafts(pair, prompt, steps, k):
 
 
 def _pair(t_model, target_dir, drafter, name):
-    from engine.adaptive import DraftController
     from engine.loading import ModelPair
 
     pair = ModelPair(t_model, None, None, str(target_dir), name, 512, 6, 6, name)
     pair.dflash = drafter
-    pair.controller = DraftController.for_pair(pair, calibrate=False)
     return pair
 
 

@@ -231,16 +231,12 @@ class Hold:
 def worker_env(env: dict, args) -> dict:
     """The environment of a spec-worker started with `args`: a worker that serves the
     slow pair waits STEP_SLEEP_S in every decode step, so its jobs are long by waiting
-    and leave the CPU to the tests running beside them; one that serves the busy pair
-    skips "auto"'s start-up timing of the pair's passes (a minute of CPU when busy). The
-    start-up acceptance check is skipped (up to a second a worker) unless a test's env
+    and leave the CPU to the tests running beside them. The start-up acceptance check is skipped (up to a second a worker) unless a test's env
     asks for it."""
     env = {"SPEC_ACCEPTANCE_CHECK": "0", **env}
     path = os.pathsep.join(p for p in (str(SLEEPY), env.get("PYTHONPATH", "")) if p)
     if SLOW_TARGETS.intersection(args):
         return dict(env, PYTHONPATH=path, SPEC_TEST_STEP_SLEEP_S=str(STEP_SLEEP_S))
-    if BUSY_TARGETS.intersection(args):  # computes, but skips the start-up timing
-        return dict(env, PYTHONPATH=path, SPEC_TEST_STATIC_COSTS="1")
     return env
 
 

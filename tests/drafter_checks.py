@@ -19,7 +19,6 @@ from tiny_models import reference_greedy
 
 import engine
 from engine import GenerationRequest, heads
-from engine.adaptive import DraftController
 from engine.batch import SpeculativeDecoder
 from engine.dflash import DFlashConfig, DFlashModel, save_dflash
 from engine.loading import ModelPair
@@ -86,14 +85,12 @@ def six_token_target(tmp: Path, family: str) -> Path:
     return six_token_model(tmp / "t", family, tok, seed=11)
 
 
-def bound_pair(target: Path, draft: str, name: str, load, controller: bool = False) -> ModelPair:
+def bound_pair(target: Path, draft: str, name: str, load) -> ModelPair:
     """A 6-token pair whose drafter reads the target: `load(target model, its config)`
-    binds it; with `controller`, "auto" gets an uncalibrated controller."""
+    binds it."""
     t_model, config = mlx_lm.utils.load_model(target)
     pair = ModelPair(t_model, None, None, str(target), draft, 512, VOCAB, VOCAB, name)
     pair.dflash = load(t_model, config)
-    if controller:
-        pair.controller = DraftController.for_pair(pair, calibrate=False)
     return pair
 
 

@@ -34,7 +34,7 @@ def models(tmp_path_factory):
 
 
 def test_a_draft_never_accepted_is_named_with_its_likely_causes(models):
-    broken = engine.load_pair(models / "target", models / "rolled", calibrate=False)
+    broken = engine.load_pair(models / "target", models / "rolled")
     found = check_acceptance(broken)
     assert (found.drafter, found.accepted, found.tokens) == ("model", 0, 32)
     assert found.drafted >= 16 and found.near_zero
@@ -47,7 +47,7 @@ def test_a_draft_never_accepted_is_named_with_its_likely_causes(models):
         "made for another target). Use a draft of the target's own family, or serve with "
         "drafter 'none' until it is fixed"
     )
-    good = engine.load_pair(models / "target", models / "target", calibrate=False)
+    good = engine.load_pair(models / "target", models / "target")
     kept = good.prefix.info()
     found = check_acceptance(good)
     assert found.accepted == found.drafted > 0 and found.warning() is None
@@ -55,7 +55,7 @@ def test_a_draft_never_accepted_is_named_with_its_likely_causes(models):
 
 
 def test_a_pair_without_a_draft_has_nothing_to_check(models):
-    assert check_acceptance(engine.load_pair(models / "target", calibrate=False)) is None
+    assert check_acceptance(engine.load_pair(models / "target")) is None
 
 
 def test_spec_worker_warns_at_start_up_and_serves_anyway(models, redis_env, start_worker):

@@ -24,7 +24,7 @@ PROMPTS = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    de
 
 @pytest.fixture(scope="module")
 def demo():
-    return engine.load_pair(calibrate=False)
+    return engine.load_pair()
 
 
 def job(i: int, **fields):

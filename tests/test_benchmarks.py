@@ -8,9 +8,7 @@ benchmark checks token for token.
 
 from __future__ import annotations
 
-import math
 import re
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -156,51 +154,6 @@ def test_lockstep_fresh_prompts_are_new_every_run_until_the_pool_is_used():
         [[4], [5], [6], [7]],
         [[8], [9], [0], [1]],
     ]
-
-
-def test_regimes_reports_each_process_and_counts_those_that_settled_plain():
-    """`regimes.py`: a row per process with a figure per run (the control's, each fixed K
-    lane's and the "auto B" lane's too), "auto" over the process's best contender (K = 0
-    included) computed from those figures' medians, and a summary whose counts (processes
-    that settled plain, that are within 3% of their best) are the counts of rows that say
-    so, and whose paired "auto B" over "auto" is the geometric mean of the rows' runs."""
-    proc = _benchmark(
-        "regimes.py", "--processes", "2", "--runs", "3",
-        "--per-run", "1", "--max-tokens", "8", "--ks", "1,2",
-        "--ab", "depth_margin=0.05,block=false", "--fresh",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "a run, greedy, new prompts every run" in proc.stdout
-    rows = [line for line in proc.stdout.splitlines() if re.match(r"\| \d+ \|", line)]
-    assert [r.split("|")[1].strip() for r in rows] == ["1", "2"]
-    shares, logs, settled_b = [], [], 0
-    for row in rows:
-        cells = [c.strip() for c in row.strip(" |").split("|")[1:]]
-        drafts, ratios, controls, plain, k1, k2, best, drafts_b, ratios_b = cells
-        runs = [
-            [float(x) for x in c.split(", ")]
-            for c in (drafts, ratios, controls, k1, k2, drafts_b, ratios_b)
-        ]
-        assert [len(r) for r in runs] == [3] * 7
-        logs += [math.log(b / a) for a, b in zip(runs[1], runs[6], strict=True)]
-        settled_b += runs[5][-1] < 0.2
-        assert plain == ("yes" if runs[0][-1] < 0.2 else "no")
-        share, which = re.fullmatch(r"([\d.]+) \((K=\d)\)", best).groups()
-        medians = {"K=0": 1.0, "K=1": statistics.median(runs[3]), "K=2": statistics.median(runs[4])}
-        assert which == max(medians, key=medians.get)
-        assert float(share) == pytest.approx(statistics.median(runs[1]) / medians[which], abs=2e-3)
-        shares.append(float(share))
-    yes = sum(r.rstrip(" |").split("|")[5].strip() == "yes" for r in rows)
-    assert f"settled plain by the last run: {yes} of 2 processes" in proc.stdout
-    assert "control / none median" in proc.stdout
-    within = sum(share >= 0.97 for share in shares)
-    assert f"best contender (K = 0 included) in {within} of 2 processes" in proc.stdout
-    assert "# auto B: depth_margin=0.05, block=False" in proc.stdout
-    mean = re.search(r"auto B / auto, paired by run: geometric mean ([\d.]+) \+- ", proc.stdout)
-    assert float(mean.group(1)) == pytest.approx(math.exp(statistics.mean(logs)), abs=3e-3)
-    assert f"over 6 runs; auto B settled plain by the last run in {settled_b} of 2" in proc.stdout
-    bad = _benchmark("regimes.py", "--ab", "no_such_field=1", timeout=60)
-    assert bad.returncode == 2 and "not a controller field=value: 'no_such_field=1'" in bad.stderr
 
 
 def test_positions_reports_acceptance_by_draft_position_for_each_k():

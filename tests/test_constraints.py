@@ -430,20 +430,20 @@ def _kind_pair(kind: str, tmp):
 
     if kind == "dflash":
         return engine.load_pair(
-            draft=engine.loading.DEMO_DIR / "dflash", calibrate=False, prefix_cache_bytes=1 << 24
+            draft=engine.loading.DEMO_DIR / "dflash", prefix_cache_bytes=1 << 24
         )
     if kind == "dflash2":
         target, vocab, layers = family_target(tmp, "llama")
         write_drafter(tmp / "d2", dflash2_config(vocab, layers, sliding_window=6), seed=3)
-        return engine.load_pair(target, tmp / "d2", calibrate=False, prefix_cache_bytes=1 << 24)
+        return engine.load_pair(target, tmp / "d2", prefix_cache_bytes=1 << 24)
     tok, vocab = tokenizer_dir(tmp)
     if kind == "mtp":
         target = build_model(tmp / "q", "qwen3_5", vocab_size=vocab, tokenizer_from=tok)
         add_mtp_head(target)
-        return engine.load_pair(target, "mtp", calibrate=False, prefix_cache_bytes=1 << 24)
+        return engine.load_pair(target, "mtp", prefix_cache_bytes=1 << 24)
     target = build_model(tmp / "llama", "llama", vocab_size=vocab, tokenizer_from=tok)
     head = build_eagle3(tmp / "e3", target, aux_ids=[1, 2, 2], draft_vocab=list(range(0, vocab, 2)))
-    return engine.load_pair(target, head, calibrate=False, prefix_cache_bytes=1 << 24)
+    return engine.load_pair(target, head, prefix_cache_bytes=1 << 24)
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dflash2", "mtp", "eagle3"])
@@ -624,7 +624,7 @@ def thinker(tmp_path_factory):
         scale=3.0,
         tokenizer_from=tmp / "tok",
     )
-    return engine.load_pair(tmp / "t", tmp / "d", calibrate=False)
+    return engine.load_pair(tmp / "t", tmp / "d")
 
 
 def _think_reference(pair, ids, max_tokens, bias, constraint=None) -> list[int]:

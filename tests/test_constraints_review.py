@@ -267,7 +267,7 @@ def test_messages_a_template_refuses_and_kwargs_the_engine_sets_are_request_erro
         "{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>{% endif %}"
     )
     (tmp_path / "target" / "tokenizer_config.json").write_text(json.dumps(config))
-    pair = engine.load_pair(tmp_path / "target", tmp_path / "draft", calibrate=False)
+    pair = engine.load_pair(tmp_path / "target", tmp_path / "draft")
     user = {"role": "user", "content": "hi"}
     requests = [
         GenerationRequest(messages=[user, user], max_tokens=2),

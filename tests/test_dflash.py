@@ -82,7 +82,7 @@ def test_load_pair_detects_a_dflash_draft(tmp_path):
         (DEMO_DIR / "target" / "tokenizer_config.json").read_bytes()
     )
     write_drafter(tmp_path / "d")
-    pair = engine.load_pair(tmp_path / "t", tmp_path / "d", calibrate=False)
+    pair = engine.load_pair(tmp_path / "t", tmp_path / "d")
     assert pair.draft is None
     assert pair.dflash is not None and pair.dflash.kind == "dflash"
     assert pair.draft_path == str(tmp_path / "d")
@@ -364,7 +364,7 @@ def test_the_reference_loop_takes_a_wholly_accepted_block(tmp_path, llama, monke
 
 def test_demo_dflash_drafter_is_exact_and_drafts_more_than_one_token_per_pass(capsys):
     """The shipped demo drafter on the demo target: greedy output equals target-only."""
-    pair = engine.load_pair(draft=DEMO_DIR / "dflash", calibrate=False)
+    pair = engine.load_pair(draft=DEMO_DIR / "dflash")
     assert pair.dflash is not None and pair.dflash.block_size == 8
     prompt = pair.tokenizer.encode("def parse_header(line):\n    ")
     out, stats = greedy_reference(pair.target, pair.dflash, prompt, 64)

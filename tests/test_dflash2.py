@@ -122,7 +122,7 @@ def test_the_published_dflash2_layout_loads(tmp_path):
     assert shapes["layers.0.mlp_conv.kernel_projection.weight"] == (2 * 2 * 4, HIDDEN)
     assert not any("embed" in k or "lm_head" in k for k in shapes)
 
-    pair = engine.load_pair(target, tmp_path / "d2", calibrate=False)
+    pair = engine.load_pair(target, tmp_path / "d2")
     assert pair.dflash.kind == "dflash2" and pair.info()["drafter"] == "dflash2"
     loaded = dict(tree_flatten(pair.dflash.model.parameters()))
     for name, value in tree_flatten(written.parameters()):
@@ -230,7 +230,7 @@ def test_a_layout_we_do_not_know_is_refused_naming_the_field(tmp_path, edit, mes
     edit(cfg)
     (tmp_path / "d2" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ModelLoadError) as err:
-        engine.load_pair(target, tmp_path / "d2", calibrate=False)
+        engine.load_pair(target, tmp_path / "d2")
     assert str(err.value).endswith(message) and "\n" not in str(err.value)
 
 
@@ -255,7 +255,7 @@ def test_the_dynamic_convolution_is_the_published_formula():
 def test_the_selector_chain_rescores_candidates_given_the_previous_draft(tmp_path):
     target, vocab, layers = family_target(tmp_path, "llama")
     write_drafter(tmp_path / "d2", dflash2_config(vocab, layers, selector_top_k=6))
-    pair = engine.load_pair(target, tmp_path / "d2", calibrate=False)
+    pair = engine.load_pair(target, tmp_path / "d2")
     drafter = pair.dflash
     with drafter.capture(pair.target) as cap:
         pair.target(mx.array([[5, 9, 11, 40, 2, 7]]))
@@ -289,7 +289,7 @@ def test_the_selector_chain_rescores_candidates_given_the_previous_draft(tmp_pat
 def test_dflash2_greedy_equals_target_only_single_and_batched(tmp_path, family):
     target, vocab, layers = family_target(tmp_path, family)
     write_drafter(tmp_path / "d2", dflash2_config(vocab, layers, sliding_window=6), seed=3)
-    pair = engine.load_pair(target, tmp_path / "d2", calibrate=False)
+    pair = engine.load_pair(target, tmp_path / "d2")
     ids_list = [pair.tokenizer.encode(t) for t in TEXTS]
     for k in (1, 4):
         requests = greedy_requests(ids_list, k, 14, grow=3)
@@ -459,27 +459,6 @@ def test_spec_doctor_names_the_dflash2_drafter(tmp_path):
     assert check.status == "OK"
     assert "draft: DFlash2 block drafter (dflash2), block size 5" in check.message
     assert "draft: DFlash2, block size 5" in doctor.check_features(pair).message
-    # "auto" prices it by measured costs: one timed pass per batch size, chain included.
-    assert pair.controller.block and pair.controller.calibrated
-    assert pair.controller.draft.sizes == [1, 2, 4, 8, 16, 32]
-
-
-def test_auto_times_the_whole_dflash2_proposal(tmp_path, monkeypatch):
-    from engine import adaptive, dflash
-
-    target, vocab, layers = family_target(tmp_path, "llama")
-    write_drafter(tmp_path / "d2", dflash2_config(vocab, layers))
-    pair = engine.load_pair(target, tmp_path / "d2", calibrate=False)
-    chains = []
-    original = dflash.DFlashDrafter.draft_chain
-
-    def counted(self, state, last_tokens, *args):
-        chains.append(len(last_tokens))
-        return original(self, state, last_tokens, *args)
-
-    monkeypatch.setattr(dflash.DFlashDrafter, "draft_chain", counted)
-    costs = adaptive.measure_block_costs(pair.dflash, pair.target, sizes=(1, 3), reps=0)
-    assert chains == [1, 3] and costs.sizes == [1, 3]
 
 
 def test_sampled_rows_draw_the_same_beside_greedy_rows(v6_dflash2):

@@ -60,7 +60,7 @@ N_MUTANT = 10_000  # a sharpened q is a subtle error: it takes more draws to sho
 
 @pytest.fixture(scope="module")
 def demo_dflash():
-    return engine.load_pair(draft=DEMO_DIR / "dflash", calibrate=False)
+    return engine.load_pair(draft=DEMO_DIR / "dflash")
 
 
 @pytest.mark.parametrize("k", MODES)
@@ -97,7 +97,7 @@ def test_a_hybrid_qwen3_5_target_with_a_dflash_drafter_is_exact(tmp_path):
         mask_token_id=vocab - 1,
     )
     save_dflash(DFlashModel(config), tmp_path / "dflash")
-    pair = engine.load_pair(target, tmp_path / "dflash", calibrate=False)
+    pair = engine.load_pair(target, tmp_path / "dflash")
     assert pair.dflash is not None
     ids_list = [pair.tokenizer.encode(p) for p in PROMPTS[:3]]
     for k in (1, 3, "auto"):
@@ -163,38 +163,3 @@ def test_a_dflash_law_at_the_wrong_temperature_fails_the_test(small_vocab_dflash
     monkeypatch.setattr(drafters.DFlashProposer, "propose", wrong_law)
     counts = draw(small_vocab_dflash, N_MUTANT, seed0=6_000_000)
     assert chi_square_p(exact_law(small_vocab_dflash), counts) < P_FAIL
-
-
-def test_a_block_drafters_probe_drafts_its_whole_block(monkeypatch):
-    # Where "auto" settles at K = 0 it probes now and then to keep acceptance measured.
-    # A block drafter drafts its whole block in the one pass a single draft costs, so its
-    # probe asks for the block (to MAX_AUTO_DRAFT): acceptance at every position, not one
-    # (measured: one-token probes took ~40 steps to lift a long-context DFlash row from its
-    # pair's 0.22 to its own 0.6), where that wider step costs at most two plain ones. A
-    # draft LM's probe stays one draft: each costs a pass. The text stays exact.
-    # (Mutation: probes of one draft -> probes of 1; no cost bound -> a block probe where
-    # verifying the block costs 5 plain steps.)
-    from engine.adaptive import Acceptance, PassCosts
-    from engine.policy import MAX_AUTO_DRAFT
-
-    assert engine.load_pair(calibrate=False).controller.probe_depth == 1
-    pair = engine.load_pair(draft=DEMO_DIR / "dflash", calibrate=False)  # its own controller
-    ctl = pair.controller
-    assert ctl.probe_depth == min(pair.dflash.block_size - 1, MAX_AUTO_DRAFT) > 1
-    steep = PassCosts({1: 1.0, 64: 64.0})  # every position verified costs a plain step
-    ctl.target, flat = steep, PassCosts({1: 1.0, 64: 1.2})  # ... or next to nothing
-    assert ctl._probe_width(1) == 1
-    ctl.target = flat
-    assert ctl._probe_width(1) == ctl.probe_depth
-    # Through the decoder: the width is what its probes draft (held, as live timings
-    # move the prices this tiny pair runs at).
-    monkeypatch.setattr(ctl, "_probe_width", lambda rows: ctl.probe_depth)
-    ctl.acceptance["model"] = Acceptance(0.0, 60.0)  # its drafts never passed: K = 0 settles
-    probes = []
-    probe_result = ctl.probe_result
-    monkeypatch.setattr(ctl, "probe_result", lambda p, a: probes.append(p) or probe_result(p, a))
-    ids = pair.tokenizer.encode(PROMPTS[0])
-    got = engine.generate(pair, GenerationRequest(prompt_ids=ids, max_tokens=48))
-    assert got.token_ids == reference_greedy(pair, ids, 48)
-    # (A probe near the end drafts no more than the row's budget left.)
-    assert probes and max(probes) == ctl.probe_depth

@@ -53,7 +53,7 @@ def gemma_pair(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("gemma")
     target, vocab, layers = family_target(tmp, "gemma3_text")
     write_sliding(tmp / "d", vocab, layers, seed=5)
-    return engine.load_pair(target, tmp / "d", calibrate=False)
+    return engine.load_pair(target, tmp / "d")
 
 
 def test_sliding_layers_are_causal_inside_the_block_unless_the_config_says_not(gemma_pair):

@@ -52,7 +52,7 @@ def dirs(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eagle_pair(dirs):
     target, head = dirs
-    return engine.load_pair(target, head, calibrate=False)
+    return engine.load_pair(target, head)
 
 
 def test_the_head_loads_from_its_published_layout(dirs, eagle_pair):
@@ -82,9 +82,7 @@ def small_vocab_eagle(tmp_path_factory) -> ModelPair:
     head = build_eagle3(
         tmp / "h", target, aux_ids=[1, 1, 1], draft_vocab=SMALL_DRAFT_VOCAB, seed=32, scale=1.0
     )
-    return bound_pair(
-        target, str(head), "e6", lambda t, config: load_eagle3(head, t, config), controller=True
-    )
+    return bound_pair(target, str(head), "e6", lambda t, config: load_eagle3(head, t, config))
 
 
 def test_each_step_drafts_what_the_definition_drafts(small_vocab_eagle, monkeypatch):
@@ -143,7 +141,7 @@ def test_layouts_we_do_not_know_are_refused_in_one_line(dirs, tmp_path):
     for i, (edit, message) in enumerate(cases):
         path = _edited(head, tmp_path / f"h{i}", edit)
         with pytest.raises(ModelLoadError) as info:
-            engine.load_pair(target, path, calibrate=False)
+            engine.load_pair(target, path)
         expected = message.format(p=f"EAGLE-3 head {path}", v=vocab + 1, w=vocab, n=n, m=vocab - 1)
         assert str(info.value) == expected
 
@@ -174,7 +172,7 @@ def test_an_eagle3_head_on_a_hybrid_qwen3_5_target_is_exact(tmp_path):
     tok, vocab = tokenizer_dir(tmp_path)
     target = build_model(tmp_path / "qwen3_5", "qwen3_5", vocab_size=vocab, tokenizer_from=tok)
     head = build_eagle3(tmp_path / "h", target, aux_ids=[1, 2, 4], draft_vocab=list(range(vocab)))
-    pair = engine.load_pair(target, head, calibrate=False)
+    pair = engine.load_pair(target, head)
     assert pair.dflash.layer_ids == (0, 1, 3)
     requests = [
         GenerationRequest(prompt=p, max_tokens=16, temperature=0.0, num_draft_tokens=3)

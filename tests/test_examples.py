@@ -25,7 +25,7 @@ ENDPOINTS = {CHAT_URL: "chat", COMPLETION_URL: "completion"}
 
 @pytest.fixture(scope="module")
 def demo():
-    return engine.load_pair(calibrate=False)
+    return engine.load_pair()
 
 
 def test_the_readme_shows_how_to_run_every_example_file():

@@ -264,7 +264,7 @@ def test_a_layer_kind_without_an_exact_ragged_form_is_refused_at_load(tmp_path, 
         raising=False,
     )
     with pytest.raises(UnsupportedModelError) as err:
-        engine.load_pair(target, draft, calibrate=False)
+        engine.load_pair(target, draft)
     assert str(err.value) == (
         "draft model: model type 'llama': layer 0 keeps its state in a QuantizedKVCache, "
         "which this engine cannot batch or roll back exactly, so it would change the "
@@ -274,7 +274,7 @@ def test_a_layer_kind_without_an_exact_ragged_form_is_refused_at_load(tmp_path, 
         "work"
     )
     assert isinstance(err.value, engine.ModelLoadError)
-    pair = engine.load_pair(target, None, calibrate=False)  # what still works, works
+    pair = engine.load_pair(target, None)  # what still works, works
     assert pair.features().drafters == ("lookup", "none")
 
 

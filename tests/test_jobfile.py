@@ -624,7 +624,7 @@ def test_result_bodies_parse_as_openai_objects(tmp_path):
         '{"custom_id": "p", "prompt": "hi", "max_tokens": 4, "temperature": 0.5}\n'
     )
     chat, completion = validate_file(str(path))
-    pair = engine.load_pair(calibrate=False)
+    pair = engine.load_pair()
     for job, kind in ((chat, ChatCompletion), (completion, Completion)):
         body = execute(pair, "demo", "B", job, "w1").line["response"]["body"]
         parsed = kind.model_validate(body)

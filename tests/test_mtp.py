@@ -31,7 +31,6 @@ from tiny_heads import add_mtp_head, to_hf_layout, to_shards
 
 import engine
 from engine import GenerationRequest, heads, mtp
-from engine.adaptive import DraftController
 from engine.loading import ModelPair
 from engine.types import ModelLoadError
 
@@ -51,7 +50,7 @@ def tiny_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mtp_pair(tiny_dir):
-    return engine.load_pair(tiny_dir, "mtp", calibrate=False)
+    return engine.load_pair(tiny_dir, "mtp")
 
 
 def test_the_head_loads_from_its_published_names(tiny_dir, mtp_pair):
@@ -83,7 +82,6 @@ def small_vocab_mtp(tmp_path_factory) -> ModelPair:
         "mtp",
         "m6",
         lambda model, config: mtp.load_mtp(str(target), model, config),
-        controller=True,
     )
 
 
@@ -161,7 +159,7 @@ def test_checkpoints_without_a_head_are_refused_in_one_line(tiny_dir, tmp_path):
     ]
     for path, message in cases:
         with pytest.raises(ModelLoadError) as info:
-            engine.load_pair(path, "mtp", calibrate=False)
+            engine.load_pair(path, "mtp")
         assert str(info.value) == f"--draft mtp: target {path}: {message}"
 
 
@@ -169,7 +167,7 @@ def test_a_target_family_without_mtp_heads_is_refused(tmp_path):
     tok, vocab = tokenizer_dir(tmp_path)
     target = build_model(tmp_path / "llama", "llama", vocab_size=vocab, tokenizer_from=tok)
     with pytest.raises(ModelLoadError) as info:
-        engine.load_pair(target, "mtp", calibrate=False)
+        engine.load_pair(target, "mtp")
     assert str(info.value) == (
         f"--draft mtp: target {target}: model_type 'llama' has no MTP head this engine "
         "reads (it reads qwen3_5)"
@@ -182,7 +180,7 @@ def test_spec_run_with_draft_mtp_names_the_drafter(tiny_dir, tmp_path):
 
 def test_a_hugging_face_layout_checkpoint_drafts_the_same(tiny_dir, mtp_pair, tmp_path):
     # Published Qwen3.5 files store RMSNorm weights as offsets from 1, the head's too.
-    hf = engine.load_pair(to_hf_layout(tiny_dir, tmp_path / "hf"), "mtp", calibrate=False)
+    hf = engine.load_pair(to_hf_layout(tiny_dir, tmp_path / "hf"), "mtp")
     prompt = mtp_pair.tokenizer.encode(PROMPTS[0])
     ours = head_reference(mtp_pair, prompt, 3, 3)
     assert head_reference(hf, prompt, 3, 3) == ours
@@ -213,7 +211,7 @@ def test_a_sharded_checkpoint_is_read_in_the_whole_checkpoints_layout(
     files = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
     head_files = {f for k, f in files.items() if k.startswith("mtp.")}
     assert not any("conv1d" in k for k, f in files.items() if f in head_files)
-    pair = engine.load_pair(path, "mtp", calibrate=False)
+    pair = engine.load_pair(path, "mtp")
     read = pair.info()["draft_layout"]
     if layout == "hugging-face":
         assert read.startswith("Hugging Face (norms stored as offsets from 1, shifted; ")
@@ -286,20 +284,9 @@ def test_spec_worker_with_draft_mtp_serves_a_batch(tiny_dir, redis_env, start_wo
 
 def mtp_tokens(target_dir, prompt: str) -> str:
     """Target-only greedy text of 8 tokens, for comparison with the worker's results."""
-    pair = engine.load_pair(target_dir, use_draft=False, calibrate=False)
+    pair = engine.load_pair(target_dir, use_draft=False)
     req = GenerationRequest(prompt=prompt, max_tokens=8, temperature=0.0, drafter="none")
     return engine.generate(pair, req).text
-
-
-def test_auto_prices_k_head_passes_from_measured_costs(small_vocab_mtp):
-    # A head drafts one token per pass: priced like a draft model (not a block drafter),
-    # from one head pass plus the LM head timed for 1..32 rows.
-    controller = DraftController.for_pair(small_vocab_mtp, calibrate=True)
-    assert controller.block is False
-    assert controller.draft.sizes == [1, 2, 4, 8, 16, 32]
-    one = controller.step_seconds(4, 4, 1, 4) - controller.step_seconds(4, 4, 0, 4)
-    three = controller.step_seconds(4, 4, 3, 4) - controller.step_seconds(4, 4, 0, 4)
-    assert three == pytest.approx(3 * one)
 
 
 def test_a_prompt_longer_than_a_chunk_is_read_ahead_exactly(mtp_pair, monkeypatch):

@@ -152,7 +152,7 @@ def test_a_dataset_tools_structured_file_runs_exactly_through_every_door(
         served = [json.loads(x) for x in client.files.content(batch.output_file_id).iter_lines()]
     queued = read_jsonl(_collect(redis_env, submitted, tmp_path / "queued.jsonl"))
 
-    pair = engine.load_pair(calibrate=False)
+    pair = engine.load_pair()
     for got in (queued, served):
         assert sorted(r["custom_id"] for r in got) == sorted(expected)
         for line in got:  # (prompt tokens the prefix cache gave depend on the process)

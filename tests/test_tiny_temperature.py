@@ -22,7 +22,7 @@ PROMPTS = ["def fibonacci(n):", "# Copyright", "The quick brown fox"]
 
 @pytest.fixture(scope="module")
 def demo():
-    return engine.load_pair(calibrate=False)
+    return engine.load_pair()
 
 
 def test_the_boundary_is_where_float32_stops_holding_one_over_t():

@@ -29,7 +29,7 @@ def test_a_batched_workers_tokens_per_second_is_one_figure_everywhere(redis_env,
     result = CliRunner().invoke(cli.submit, [str(path), "--batch-id", batch])
     assert result.exit_code == 0, result.stderr
     jobs = list(validate_file(str(path)))
-    pair = engine.load_pair(calibrate=False)
+    pair = engine.load_pair()
 
     began = time.perf_counter()
     outcomes = list(decode_together(pair, "demo", [(batch, j) for j in jobs], 4, worker="w1"))

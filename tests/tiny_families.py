@@ -206,7 +206,7 @@ def family_pair(
             scale=draft_scale,
             layers=2,
         )
-    return engine.load_pair(t, d, calibrate=False)
+    return engine.load_pair(t, d)
 
 
 def six_token_model(path: Path, family: str, tok: Path, seed: int, scale: float = 2.0, **kw):

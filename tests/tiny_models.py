@@ -135,4 +135,4 @@ def tiny_pair(
         scale=draft_scale,
         tokenizer_from=tmp / "tok",
     )
-    return engine.load_pair(tmp / "target", tmp / "draft", calibrate=False)
+    return engine.load_pair(tmp / "target", tmp / "draft")

@@ -295,9 +295,7 @@ def load(target: str | None, draft: str | None) -> tuple[Check, object | None]:
     from jobstore import config
 
     try:
-        pair = engine.load_pair(
-            target, draft, calibrate=True, prefix_cache_bytes=config.prefix_cache_bytes()
-        )
+        pair = engine.load_pair(target, draft, prefix_cache_bytes=config.prefix_cache_bytes())
     except ValueError as exc:  # a bad SPEC_PREFIX_CACHE_MB
         return Check("FAIL", "pair", str(exc)), None
     except engine.TokenizerMismatchError as exc:

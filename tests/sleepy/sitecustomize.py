@@ -22,10 +22,6 @@ import time
 
 SLEEP_S = float(os.environ.get("SPEC_TEST_STEP_SLEEP_S") or 0)
 HOLD = os.environ.get("SPEC_TEST_HOLD") or None
-#: SPEC_TEST_STATIC_COSTS=1: "auto" starts from its static cost model instead of timing
-#: the pair's passes at start-up (a minute of CPU for the busy pair on a loaded machine,
-#: which a test of what a worker does while its job computes does not need).
-STATIC_COSTS = os.environ.get("SPEC_TEST_STATIC_COSTS") == "1"
 DECODERS = {"engine.batch": "BatchDecoder", "engine.plain": "PlainDecoder"}
 
 
@@ -42,7 +38,7 @@ def _slowed(step):
 
 class _SlowDecoders(importlib.abc.MetaPathFinder):
     def find_spec(self, name, path, target=None):
-        if name not in DECODERS and not (STATIC_COSTS and name == "engine.adaptive"):
+        if name not in DECODERS:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -56,12 +52,6 @@ class _SlowDecoders(importlib.abc.MetaPathFinder):
 
         def exec_module(module):
             run(module)
-            if name == "engine.adaptive":
-                for_pair = module.DraftController.for_pair.__func__
-                module.DraftController.for_pair = classmethod(
-                    lambda cls, pair, calibrate=True: for_pair(cls, pair, calibrate=False)
-                )
-                return
             cls = getattr(module, DECODERS[name])
             cls.step = _slowed(cls.step)
 
@@ -69,5 +59,5 @@ class _SlowDecoders(importlib.abc.MetaPathFinder):
         return spec
 
 
-if SLEEP_S > 0 or STATIC_COSTS:
+if SLEEP_S > 0:
     sys.meta_path.insert(0, _SlowDecoders())
