@@ -1,13 +1,14 @@
 """The declared interfaces: every proposer is an interfaces.Proposer, both decoders are
 interfaces.Decoder, a pair's decoder and a request's drafter are settled in one place
-each, and a row's draft length comes from the policy with the same choices as before."""
+each, and a row's draft comes from `BatchDecoder._choose` within its budget and cap."""
 
 from __future__ import annotations
 
 import pytest
 
 import engine
-from engine import batch, drafters, heads, interfaces, plain, policy
+from engine import batch, drafters, heads, interfaces, plain
+from engine.draft_length import DraftLengthPolicy
 from engine.loading import ModelPair
 from engine.sampling import SamplingParams
 
@@ -62,14 +63,22 @@ def test_model_without_a_draft_model_is_refused_with_one_message():
 
 
 class _Plan:
-    """A sampled "auto" row's schedule stand-in: fixed lengths, a known acceptance."""
+    """A sampled "auto" row's schedule stand-in: fixed lengths."""
 
     def __init__(self, ks):
-        self.ks, self.lookup = list(ks), None
-        self.acceptance = type("A", (), {"rate": 0.5})()
+        self.ks = list(ks)
 
-    def choose(self) -> int:
+    def choose(self, budget: int) -> int:
         return self.ks.pop(0)
+
+
+def _choose(rows, max_draft=None):
+    """The drafts a decoder (no models: `_choose` reads rows, policy and proposer only)
+    gives these rows."""
+    decoder = object.__new__(batch.BatchDecoder)
+    decoder.rows, decoder.policy = rows, DraftLengthPolicy()
+    decoder.proposer = type("P", (), {"max_draft": max_draft})()
+    return decoder._choose()
 
 
 def _row(key, drafter, fixed_k, plan, budget=16, greedy=False):
@@ -81,8 +90,7 @@ def _row(key, drafter, fixed_k, plan, budget=16, greedy=False):
 
 
 def test_fixed_and_sampled_rows_draft_what_they_ask_within_budget_and_cap():
-    proposer = type("P", (), {"members": [], "cold": {}, "max_draft": None})()
-    choices = policy.DraftPolicy(None, proposer).choose(
+    choices = _choose(
         [
             _row(0, "model", 5, None),
             _row(1, "model", 12, None, budget=3),  # budget: at most 3
@@ -101,9 +109,7 @@ def test_fixed_and_sampled_rows_draft_what_they_ask_within_budget_and_cap():
         (0, "none", None),
         (0, "none", None),
     ]
-    proposer.max_draft = 3  # a block drafter's cap
-    choices = policy.DraftPolicy(None, proposer).choose([_row(0, "model", 8, None)])
-    assert choices[0].k == 3
+    assert _choose([_row(0, "model", 8, None)], max_draft=3)[0].k == 3  # a block drafter's cap
 
 
 def test_every_layer_kind_declares_the_row_layer_interface():
