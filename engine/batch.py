@@ -23,6 +23,7 @@ one place a pair's decoder is picked.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import mlx.core as mx
@@ -217,7 +218,7 @@ class BatchDecoder(Decoder):
     def step(self) -> dict:
         """One draft + verify step for every row: {row key: Step}."""
         start = time.perf_counter()
-        joined = bool(self._joining)
+        joined = len(self._joining)
         if joined:
             self._admit_joining()
         elif self._leaving:
@@ -314,7 +315,9 @@ class BatchDecoder(Decoder):
         n = len(rows)
         k_model = 0
         if model:
-            k_model = policy.decide(n, min(cap, max(b for _, b in model)), free=False)
+            together, left = self._together()
+            cap = min(cap, max(b for _, b in model))
+            k_model = policy.decide(n, cap, free=False, together=together, left=left)
             for i, budget in model:
                 if k_model:
                     choices[i] = Choice(min(k_model, budget), "model")
@@ -333,6 +336,14 @@ class BatchDecoder(Decoder):
                 if k:
                     choices[i] = Choice(min(k, len(tokens)), "lookup", tokens[:k])
         return choices
+
+    def _together(self) -> tuple[int, float]:
+        """(rows that share their tokens left with another row, their mean tokens left):
+        plain decoding finishes each such group on one step, drafting would part them."""
+        lefts = [r.max_tokens - r.generated for r in self.rows]
+        counts = Counter(lefts)
+        shared = [x for x in lefts if counts[x] > 1]
+        return len(shared), (sum(shared) / len(shared) if shared else 0.0)
 
     def _observe(self, chosen, forced, drafts, results, confidence, start, joined) -> None:
         """Tell the policy what the step did (tokens the grammar forced are no evidence
@@ -362,6 +373,7 @@ class BatchDecoder(Decoder):
                 seconds=time.perf_counter() - start,
                 free=free,
                 clean=not joined,
+                joined=joined,
                 sources=sources,
                 confidence=[confidence.get(r.key, []) for r in self.rows] if confidence else [],
                 auto=auto,

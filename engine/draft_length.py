@@ -94,8 +94,8 @@ class Line:
     ks: dict = field(default_factory=dict)  # K -> decayed samples
 
     def add(self, k: int, seconds: float) -> None:
-        if self.ready():  # a load burst moves the line as if it were twice off at most
-            now = self(k)
+        now = self(k) if self.ready() else 0.0
+        if now > 0:  # a load burst moves the line as if it were twice off at most
             seconds = min(max(seconds, now / 2), now * 2)
         d = self.decay
         self.w, self.k, self.kk = self.w * d + 1, self.k * d + k, self.kk * d + k * k
@@ -162,6 +162,7 @@ class StepRecord:
     confidence: list[list[float]] = field(default_factory=list)
     auto: bool = True  # the drafting rows are "auto" rows (a fixed K is no evidence of auto)
     cap: int | None = None  # the K decided, where the draft stopped before it (else max(k))
+    joined: int = 0  # rows the step admitted (then not clean: their prefill ran in it)
 
 
 #: Confidence buckets: acceptance is counted by the draft's probability in tenths.
@@ -182,6 +183,9 @@ class DraftLengthPolicy:
         self.arms: dict[tuple, Arm] = {}  # (class, free, K) -> realized speed
         self.steps = 0
         self.shapes: set = set()  # (rows, free, depth) heard once: later ones are prices
+        # Seconds a step that admitted rows spent beyond its own price, against the rows
+        # it admitted: the intercept is what one join costs however few rows it brings.
+        self.joins = Line(c.decay)
         self._explore_every = max(int(round(1 / c.explore)), 2) if c.explore > 0 else 0
 
     # -- the model -------------------------------------------------------------------
@@ -234,7 +238,15 @@ class DraftLengthPolicy:
         t = self.seconds(rows, k, free)
         return None if t is None else expected_tokens(self.rates(source), k) / t
 
-    def model_k(self, rows: int, cap: int, free: bool = False, source: str = "model") -> int:
+    def model_k(
+        self,
+        rows: int,
+        cap: int,
+        free: bool = False,
+        source: str = "model",
+        together: int = 0,
+        left: float = 0.0,
+    ) -> int:
         """The cost model's K: the fastest predicted, 0 unless it beats plain by `margin`.
         Until both sides are priced at this class it measures them: a plain step first,
         then K = 2 and K = 1 (two points of the line)."""
@@ -250,19 +262,52 @@ class DraftLengthPolicy:
         for k, rate in enumerate(self.rates(source)[:cap], start=1):
             reach *= rate
             tokens += reach
-            speed = tokens / self.seconds(rows, k, free)
+            t = self.seconds(rows, k, free)
+            speed = tokens / (t + self.parting(k, tokens, together, left))
             if speed > best_speed:
                 best, best_speed = k, speed
         return best
 
     # -- the decision -----------------------------------------------------------------
-    def decide(self, rows: int, cap: int, free: bool = False, source: str = "model") -> int:
-        """The K this step's greedy "auto" rows draft (at most `cap`), 0 for plain."""
-        star = self.model_k(rows, cap, free, source)
+    def join_seconds(self) -> float:
+        """What one join of rows costs beyond their prefill (0 until a join is heard): the
+        intercept of the joins' line, or, before joins of two sizes are heard, the
+        seconds a joined row cost (the smaller guess)."""
+        j = self.joins
+        if j.w == 0:
+            return 0.0
+        if j.ready():
+            return max(j(0), 0.0)
+        return max(j.t / j.k, 0.0) if j.k else 0.0
+
+    def parting(self, k: int, tokens: float, together: int, left: float) -> float:
+        """Seconds a step of k drafts adds by parting rows that plain decoding finishes on
+        one step (`together` rows with `left` tokens to go): each then leaves, and its
+        successor joins, on a step of its own, a join more per row, spread over the
+        steps drafting takes to finish them."""
+        if k == 0 or together < 2 or left <= 0:
+            return 0.0
+        return (together - 1) * self.join_seconds() * tokens / left
+
+    def decide(
+        self,
+        rows: int,
+        cap: int,
+        free: bool = False,
+        source: str = "model",
+        together: int = 0,
+        left: float = 0.0,
+    ) -> int:
+        """The K this step's greedy "auto" rows draft (at most `cap`), 0 for plain.
+        `together`, `left`: rows that plain decoding would finish on one step (they share
+        their tokens left) and their mean tokens left; drafting parts them (`parting`)."""
+        star = self.model_k(rows, cap, free, source, together, left)
         cls = size_class(rows)
         arms = sorted({0, star, max(star - 1, 0), min(star + 1, cap, self.config.max_k)})
-        if self._explore_every and self.steps % self._explore_every == 0 and len(arms) > 1:
-            return min(arms, key=lambda k: self.arms.get((cls, free, k), Arm()).last)
+        if self._explore_every and self.steps % self._explore_every == 0:
+            # Rows in step are parted by any drafting play: then only plain is re-heard.
+            heard = arms if together < 2 else [0]
+            return min(heard, key=lambda k: self.arms.get((cls, free, k), Arm()).last)
         trust, decay = self.config.trust, self.config.decay
         rates = self.rates(source)
 
@@ -276,7 +321,10 @@ class DraftLengthPolicy:
             if arm is not None and arm.plays >= trust:
                 fresh = decay ** (self.steps - arm.last) if price is not None else 1.0
                 price = fresh * arm.seconds + (1 - fresh) * (price or 0.0)
-            return -1.0 if price is None else expected_tokens(rates, k) / price
+            if price is None:
+                return -1.0
+            tokens = expected_tokens(rates, k)
+            return tokens / (price + self.parting(k, tokens, together, left))
 
         if self.arms.get((cls, free, star), Arm()).plays < trust:
             return star  # the model's choice is heard before the net judges it
@@ -321,10 +369,14 @@ class DraftLengthPolicy:
         for probs, n in zip(step.confidence, step.accepted, strict=False):
             for i, p in enumerate(probs[: n + 1]):
                 self.by_confidence[self._bucket(p)].add(i < n)
-        if not step.clean or not step.auto or step.rows == 0 or step.seconds <= 0:
-            return
         cls, d = size_class(step.rows), self.config.decay
         depth = max(step.k, default=0)
+        if step.joined and step.seconds > 0:
+            own = self.seconds(step.rows, depth, step.free)
+            if own is not None:
+                self.joins.add(step.joined, max(step.seconds - own, 0.0))
+        if not step.clean or not step.auto or step.rows == 0 or step.seconds <= 0:
+            return
         shape = (step.rows, step.free, depth)
         if shape not in self.shapes:  # a shape's first pass in a process runs slow
             self.shapes.add(shape)

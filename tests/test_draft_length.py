@@ -190,6 +190,41 @@ def test_moves_back_to_drafting_when_acceptance_recovers():
     assert sum(k > 0 for k in ks[450:900]) >= 0.9 * 450
 
 
+def _drafting_pays_at_16_rows() -> DraftLengthPolicy:
+    """A policy that heard plain steps of 10 ms and drafting steps of 11 ms + 1 ms a
+    draft at 16 rows, drafts passing at 0.8, and joins of 1 row costing 20 ms and of 16
+    rows 95 ms beyond their step (a join costs ~15 ms however few rows it brings)."""
+    policy = DraftLengthPolicy(PolicyConfig(explore=0))
+    rng = random.Random(8)
+    for _ in range(60):
+        for k in (0, 1, 2):
+            ok = [sum(1 for _ in range(k) if rng.random() < 0.8) for _ in range(16)]
+            policy.observe(StepRecord(16, [k] * 16, ok, 0.010 + 0.001 * k + (0.001 if k else 0)))
+    for joined, extra in ((1, 0.020), (16, 0.095), (1, 0.020), (16, 0.095)):
+        policy.observe(
+            StepRecord(16, [0] * 16, [0] * 16, 0.010 + extra, clean=False, joined=joined)
+        )
+    return policy
+
+
+def test_rows_that_would_finish_together_are_parted_only_where_it_pays():
+    # Plain decoding finishes rows with the same tokens left on one step, and the next
+    # rows join in one pass; drafting parts them, a join of its own for each.
+    policy = _drafting_pays_at_16_rows()
+    assert 0.010 < policy.join_seconds() < 0.020
+    assert policy.decide(16, 8) > 0  # rows of different lengths: drafting pays
+    assert policy.decide(16, 8, together=16, left=2000) > 0  # long to go: the joins are cheap
+    assert policy.decide(16, 8, together=16, left=20) == 0  # 15 joins over a few steps
+
+
+def test_rows_in_step_are_never_parted_to_explore():
+    policy = DraftLengthPolicy(PolicyConfig(explore=0.5))
+    replay(CPU, 50, 4, policy=policy, seed=9)
+    for _ in range(40):  # drafting priced out by the parting: only plain is re-heard
+        assert policy.decide(4, 8, together=4, left=1) == 0
+        policy.observe(StepRecord(4, [0] * 4, [0] * 4, 0.02))
+
+
 def test_a_batch_size_never_seen_borrows_the_nearest_class_shape():
     policy = DraftLengthPolicy()
     replay(MAC, 300, 4, policy=policy, seed=5)
