@@ -182,6 +182,7 @@ class DraftLengthPolicy:
         self.lines: dict[tuple, Line] = {}  # (class, free) -> drafting seconds against K
         self.arms: dict[tuple, Arm] = {}  # (class, free, K) -> realized speed
         self.steps = 0
+        self._rates: dict = {}  # source -> rates(source), until its next draft is heard
         self.shapes: set = set()  # (rows, free, depth) heard once: later ones are prices
         # Seconds a step that admitted rows spent beyond its own price, against the rows
         # it admitted: the intercept is what one join costs however few rows it brings.
@@ -192,11 +193,14 @@ class DraftLengthPolicy:
     def rates(self, source: str = "model") -> list[float]:
         """Acceptance at each draft position 1..max_k given the ones before passed; a
         position with little evidence leans on the one before it."""
+        if source in self._rates:  # (kept until a draft of that source is heard)
+            return self._rates[source]
         table = self._positions(source)
         out, prior = [], self.config.prior_acceptance
         for rate in table:
             prior = rate.value(prior)
             out.append(prior)
+        self._rates[source] = out
         return out
 
     def _positions(self, source: str) -> list[Rate]:
@@ -208,35 +212,32 @@ class DraftLengthPolicy:
         return self.positions[source]
 
     def seconds(self, rows: int, k: int, free: bool = False) -> float | None:
-        """Predicted seconds of a step of `rows` rows drafting k (None: nothing measured).
-        A class with nothing measured borrows the nearest measured class's shape, scaled
-        by the two classes' plain steps."""
+        """Predicted seconds of a step of `rows` rows drafting k (None: nothing measured)."""
+        plain, drafting = self.prices(rows, free)
+        return plain if k == 0 else drafting(k) if drafting is not None else None
+
+    def prices(self, rows: int, free: bool = False):
+        """(plain step seconds or None, seconds against K or None) at this batch size. A
+        class with nothing measured borrows the nearest measured class's line, scaled by
+        the two classes' plain steps."""
         cls = size_class(rows)
-        if k == 0:
-            return self._plain(cls)
+        plain = self._plain(cls)
         line = self.lines.get((cls, free))
         if line is not None and line.ready():
-            return line(k)
+            return plain, line
         for other in sorted(self.lines, key=lambda key: abs(math.log2(key[0] / cls))):
             theirs = self.lines[other]
             if other[1] == free and theirs.ready():
-                mine, base = self._plain(cls), self._plain(other[0])
-                scale = mine / base if mine and base else other[0] and cls / other[0]
-                return theirs(k) * scale
-        return None
+                base = self._plain(other[0])
+                scale = plain / base if plain and base else cls / other[0]
+                return plain, lambda k, line=theirs, scale=scale: line(k) * scale
+        return plain, None
 
     def _plain(self, cls: int) -> float | None:
         if cls in self.plain:
             return self.plain[cls]
         near = sorted(self.plain, key=lambda o: abs(math.log2(o / cls)))
         return self.plain[near[0]] * (cls / near[0]) ** 0.5 if near else None
-
-    def predicted(
-        self, rows: int, k: int, free: bool = False, source: str = "model"
-    ) -> float | None:
-        """Predicted tokens a row-second of a step drafting k (None: not priced yet)."""
-        t = self.seconds(rows, k, free)
-        return None if t is None else expected_tokens(self.rates(source), k) / t
 
     def model_k(
         self,
@@ -251,19 +252,19 @@ class DraftLengthPolicy:
         Until both sides are priced at this class it measures them: a plain step first,
         then K = 2 and K = 1 (two points of the line)."""
         cap = min(cap, self.config.max_k)
-        plain = self.seconds(rows, 0, free)
+        plain, drafting = self.prices(rows, free)
         if cap <= 0 or plain is None:
             return 0
-        if self.seconds(rows, 1, free) is None:
+        if drafting is None:
             heard = self.lines.get((size_class(rows), free), Line(self.config.decay)).ks
             return min((min(2, cap), 1), key=lambda k: heard.get(k, 0.0))
+        join = self.join_seconds()
         best, best_speed = 0, (1 + self.config.margin) / plain
         tokens, reach = 1.0, 1.0
         for k, rate in enumerate(self.rates(source)[:cap], start=1):
             reach *= rate
             tokens += reach
-            t = self.seconds(rows, k, free)
-            speed = tokens / (t + self.parting(k, tokens, together, left))
+            speed = tokens / (drafting(k) + self.parting(k, tokens, together, left, join))
             if speed > best_speed:
                 best, best_speed = k, speed
         return best
@@ -280,14 +281,14 @@ class DraftLengthPolicy:
             return max(j(0), 0.0)
         return max(j.t / j.k, 0.0) if j.k else 0.0
 
-    def parting(self, k: int, tokens: float, together: int, left: float) -> float:
+    def parting(self, k: int, tokens: float, together: int, left: float, join: float) -> float:
         """Seconds a step of k drafts adds by parting rows that plain decoding finishes on
         one step (`together` rows with `left` tokens to go): each then leaves, and its
         successor joins, on a step of its own, a join more per row, spread over the
-        steps drafting takes to finish them."""
+        steps drafting takes to finish them (`join`: `join_seconds()`)."""
         if k == 0 or together < 2 or left <= 0:
             return 0.0
-        return (together - 1) * self.join_seconds() * tokens / left
+        return (together - 1) * join * tokens / left
 
     def decide(
         self,
@@ -309,7 +310,8 @@ class DraftLengthPolicy:
             heard = arms if together < 2 else [0]
             return min(heard, key=lambda k: self.arms.get((cls, free, k), Arm()).last)
         trust, decay = self.config.trust, self.config.decay
-        rates = self.rates(source)
+        rates, join = self.rates(source), self.join_seconds()
+        plain, drafting = self.prices(rows, free)
 
         def score(k: int) -> float:
             # Expected tokens (acceptance is measured at every K alike) over the arm's
@@ -317,14 +319,14 @@ class DraftLengthPolicy:
             # heard long ago (before the load or the context changed) are no measurement
             # of now, and a realized token count would be too noisy to tell Ks apart.
             arm = self.arms.get((cls, free, k))
-            price = self.seconds(rows, k, free)
+            price = plain if k == 0 else drafting(k) if drafting is not None else None
             if arm is not None and arm.plays >= trust:
                 fresh = decay ** (self.steps - arm.last) if price is not None else 1.0
                 price = fresh * arm.seconds + (1 - fresh) * (price or 0.0)
             if price is None:
                 return -1.0
             tokens = expected_tokens(rates, k)
-            return tokens / (price + self.parting(k, tokens, together, left))
+            return tokens / (price + self.parting(k, tokens, together, left, join))
 
         if self.arms.get((cls, free, star), Arm()).plays < trust:
             return star  # the model's choice is heard before the net judges it
@@ -361,6 +363,8 @@ class DraftLengthPolicy:
         self.steps += 1
         sources = step.sources or ["model"] * len(step.k)
         for k, n, source in zip(step.k, step.accepted, sources, strict=True):
+            if k:
+                self._rates.pop(source, None)
             table = self._positions(source)
             for i in range(
                 min(k, n + 1)
