@@ -26,6 +26,9 @@ contender's greedy output equals plain decoding's (lossless), per run.
 
     python benchmarks/lockstep.py --pairs demo --sizes 4 --per-run 4 --ks 1,2,3 --kinds
 
+`--new-policy` starts every contender of every timed run with a fresh policy, as a new
+worker starts (its first requests counted; run 0 still warms the process's shapes).
+
 `--refill` is a worker's `--batch` workload: short prompts (12 tokens) and each request its
 own length (max_tokens drawn from 1/4 to 3/2 of `--max-tokens`, seeded by the run, the
 same for every contender), so rows finish and new ones join every few steps instead of
@@ -208,17 +211,29 @@ def prompts_label(fresh: bool) -> str:
 
 
 def cell(
-    pair, ids_list, batch: int, runs: int, max_tokens: int, ks=(1, 2), refill: bool = False
+    pair,
+    ids_list,
+    batch: int,
+    runs: int,
+    max_tokens: int,
+    ks=(1, 2),
+    refill: bool = False,
+    new_policy: bool = False,
 ) -> dict:
     """Ratios against "none" per run, drafts per row-step, plain-step seconds, steps by
     kind. `ids_list`: every run's prompts, or a function of the run (0: the warm-up) giving
-    that run's (`--fresh`). `refill`: each request its own length (`refill_lengths`)."""
+    that run's (`--fresh`). `refill`: each request its own length (`refill_lengths`).
+    `new_policy`: every run starts each contender with a fresh policy (as a new worker
+    starts: its first requests are counted); else a contender's policy learns through the
+    untimed run 0 and keeps learning."""
     field = ("ratio", "tps", "drafts", "plain_s", "kinds")
     lanes_of = contenders(ks)
     pairs_by = {name: own_pair(pair) for name, _, _ in lanes_of}
     out = {name: {f: [] for f in field} for name, _, _ in lanes_of}
     out["lossless"] = [0, 0]  # contender runs whose outputs all equal plain's, of all
     for r in range(runs + 1):  # run 0 warms every contender up, untimed
+        if new_policy:
+            pairs_by = {name: own_pair(pair) for name, _, _ in lanes_of}
         run_ids = ids_list(r) if callable(ids_list) else ids_list
         lengths = refill_lengths(len(run_ids), max_tokens, r) if refill else max_tokens
         lanes = {
@@ -262,6 +277,11 @@ def main(argv=None) -> int:
         action="store_true",
         help="short prompts, each request its own length: rows join and leave as in a worker",
     )
+    ap.add_argument(
+        "--new-policy",
+        action="store_true",
+        help="every timed run starts each contender with a fresh policy (its first run counted)",
+    )
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--cache", type=Path, default=pairs.CACHE)
     args = ap.parse_args(argv)
@@ -282,7 +302,8 @@ def main(argv=None) -> int:
     )
     print(
         f"# lockstep: {args.runs} runs, {args.per_run} x batch requests of {news}, "
-        f"greedy, {prompts_label(args.fresh)}; {demo.info()['blas']}"
+        f"greedy, {prompts_label(args.fresh)}"
+        f"{', a fresh policy every run' if args.new_policy else ''}; {demo.info()['blas']}"
     )
     print(
         "| pair | batch | none tok/s | control / none | auto / none | "
@@ -299,7 +320,9 @@ def main(argv=None) -> int:
             ids_list = (prompts * n)[:n]
             if args.fresh:
                 ids_list = fresh_prompts(pool, n)
-            got = cell(pair, ids_list, b, args.runs, args.max_tokens, ks, args.refill)
+            got = cell(
+                pair, ids_list, b, args.runs, args.max_tokens, ks, args.refill, args.new_policy
+            )
 
             def show(c, got=got):
                 r = got[c]["ratio"]
