@@ -338,12 +338,15 @@ class BatchDecoder(Decoder):
         return choices
 
     def _together(self) -> tuple[int, float]:
-        """(rows that share their tokens left with another row, their mean tokens left):
-        plain decoding finishes each such group on one step, drafting would part them."""
+        """(the joins plain decoding saves: rows that finish on a step with another row,
+        less one a step; those rows' mean tokens left): plain decoding finishes rows that
+        share their tokens left on one step, and their successors join in one pass;
+        drafting parts them."""
         lefts = [r.max_tokens - r.generated for r in self.rows]
         counts = Counter(lefts)
         shared = [x for x in lefts if counts[x] > 1]
-        return len(shared), (sum(shared) / len(shared) if shared else 0.0)
+        groups = sum(1 for c in counts.values() if c > 1)
+        return len(shared) - groups, (sum(shared) / len(shared) if shared else 0.0)
 
     def _observe(self, chosen, forced, drafts, results, confidence, start, joined) -> None:
         """Tell the policy what the step did (tokens the grammar forced are no evidence

@@ -283,12 +283,13 @@ class DraftLengthPolicy:
 
     def parting(self, k: int, tokens: float, together: int, left: float, join: float) -> float:
         """Seconds a step of k drafts adds by parting rows that plain decoding finishes on
-        one step (`together` rows with `left` tokens to go): each then leaves, and its
-        successor joins, on a step of its own, a join more per row, spread over the
-        steps drafting takes to finish them (`join`: `join_seconds()`)."""
-        if k == 0 or together < 2 or left <= 0:
+        a shared step (`together`: the joins that saves; `left`: those rows' mean tokens
+        to go): each row then leaves, and its successor joins, on a step of its own, a
+        join more each, spread over the steps drafting takes to finish them (`join`:
+        `join_seconds()`)."""
+        if k == 0 or together < 1 or left <= 0:
             return 0.0
-        return (together - 1) * join * tokens / left
+        return together * join * tokens / left
 
     def decide(
         self,
@@ -300,14 +301,15 @@ class DraftLengthPolicy:
         left: float = 0.0,
     ) -> int:
         """The K this step's greedy "auto" rows draft (at most `cap`), 0 for plain.
-        `together`, `left`: rows that plain decoding would finish on one step (they share
-        their tokens left) and their mean tokens left; drafting parts them (`parting`)."""
+        `together`, `left`: the joins plain decoding saves by finishing rows that share
+        their tokens left on one step, and those rows' mean tokens left; drafting parts
+        them (`parting`)."""
         star = self.model_k(rows, cap, free, source, together, left)
         cls = size_class(rows)
         arms = sorted({0, star, max(star - 1, 0), min(star + 1, cap, self.config.max_k)})
         if self._explore_every and self.steps % self._explore_every == 0:
             # Rows in step are parted by any drafting play: then only plain is re-heard.
-            heard = arms if together < 2 else [0]
+            heard = arms if together < 1 else [0]
             return min(heard, key=lambda k: self.arms.get((cls, free, k), Arm()).last)
         trust, decay = self.config.trust, self.config.decay
         rates, join = self.rates(source), self.join_seconds()

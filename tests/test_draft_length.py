@@ -213,15 +213,15 @@ def test_rows_that_would_finish_together_are_parted_only_where_it_pays():
     policy = _drafting_pays_at_16_rows()
     assert 0.010 < policy.join_seconds() < 0.020
     assert policy.decide(16, 8) > 0  # rows of different lengths: drafting pays
-    assert policy.decide(16, 8, together=16, left=2000) > 0  # long to go: the joins are cheap
-    assert policy.decide(16, 8, together=16, left=20) == 0  # 15 joins over a few steps
+    assert policy.decide(16, 8, together=15, left=2000) > 0  # long to go: the joins are cheap
+    assert policy.decide(16, 8, together=15, left=20) == 0  # 15 joins over a few steps
 
 
 def test_rows_in_step_are_never_parted_to_explore():
     policy = DraftLengthPolicy(PolicyConfig(explore=0.5))
     replay(CPU, 50, 4, policy=policy, seed=9)
     for _ in range(40):  # drafting priced out by the parting: only plain is re-heard
-        assert policy.decide(4, 8, together=4, left=1) == 0
+        assert policy.decide(4, 8, together=3, left=1) == 0
         policy.observe(StepRecord(4, [0] * 4, [0] * 4, 0.02))
 
 
