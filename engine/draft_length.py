@@ -187,6 +187,7 @@ class DraftLengthPolicy:
         # Seconds a step that admitted rows spent beyond its own price, against the rows
         # it admitted: the intercept is what one join costs however few rows it brings.
         self.joins = Line(c.decay)
+        self.join_rate = 0.0  # share of steps that admitted rows (decayed)
         self._explore_every = max(int(round(1 / c.explore)), 2) if c.explore > 0 else 0
 
     # -- the model -------------------------------------------------------------------
@@ -289,7 +290,9 @@ class DraftLengthPolicy:
         `join_seconds()`)."""
         if k == 0 or together < 1 or left <= 0:
             return 0.0
-        return together * join * tokens / left
+        # Where rows join on most steps anyway (a refilling batch), a parted row's
+        # successor mostly joins beside another's: only the rest is a join more.
+        return together * join * tokens / left * (1.0 - self.join_rate)
 
     def decide(
         self,
@@ -377,6 +380,7 @@ class DraftLengthPolicy:
                 self.by_confidence[self._bucket(p)].add(i < n)
         cls, d = size_class(step.rows), self.config.decay
         depth = max(step.k, default=0)
+        self.join_rate = self.join_rate * d + (1 - d) * (step.joined > 0)
         if step.joined and step.seconds > 0:
             own = self.seconds(step.rows, depth, step.free)
             if own is not None:

@@ -215,6 +215,9 @@ def test_rows_that_would_finish_together_are_parted_only_where_it_pays():
     assert policy.decide(16, 8) > 0  # rows of different lengths: drafting pays
     assert policy.decide(16, 8, together=15, left=2000) > 0  # long to go: the joins are cheap
     assert policy.decide(16, 8, together=15, left=20) == 0  # 15 joins over a few steps
+    for _ in range(100):  # rows join on most steps anyway (a refilling batch)
+        policy.observe(StepRecord(16, [0] * 16, [0] * 16, 0.017, clean=False, joined=1))
+    assert policy.decide(16, 8, together=15, left=20) > 0
 
 
 def test_rows_in_step_are_never_parted_to_explore():
