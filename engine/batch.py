@@ -70,10 +70,6 @@ class Choice:
     source: str = "none"
     tokens: list | None = None
     measure: bool = False  # the row keeps only plain decoding's token (draft_length.Decision)
-    # Whose acceptance its drafts teach the policy, where not `source`'s: a lookup draft's
-    # by the length of the n-gram it follows ("lookup1".."lookup3": a 1-gram match is
-    # often chance, a 3-gram one a copy).
-    heard_as: str | None = None
 
 
 @dataclass
@@ -323,7 +319,7 @@ class BatchDecoder(Decoder):
                 if row.lookup is not None and (hybrid or row.drafter == "lookup"):
                     free = row.lookup.propose(min(budget, LOOKUP_MAX_DRAFT))
                     if free:
-                        lookup.append((i, free, f"lookup{row.lookup.match}"))
+                        lookup.append((i, free))
                         continue
                 if row.drafter == "model":
                     model.append((i, budget))
@@ -345,22 +341,20 @@ class BatchDecoder(Decoder):
                 if k_model:
                     choices[i] = Choice(min(k_model, budget), "model", measure=k_model.measure)
         if lookup:
-            # One K for the step, priced by the acceptance of the surest match among them.
-            _, longest, surest = max(lookup, key=lambda item: (item[2], len(item[1])))
-            k = policy.decide(n, len(longest), free=not k_model, source=surest)
+            longest = max(len(t) for _, t in lookup)
+            k = policy.decide(n, longest, free=not k_model, source="lookup")
             rates = policy.rates("model")
-            for i, tokens, heard in lookup:
+            for i, tokens in lookup:
                 if k and rows[i].drafter == "model" and k_model:
                     # The draft model runs for the batch anyway: the row takes whichever
                     # draft is expected to pass more.
-                    mine = expected_tokens(policy.rates(heard), min(k, len(tokens)))
+                    mine = expected_tokens(policy.rates("lookup"), min(k, len(tokens)))
                     if expected_tokens(rates, min(k_model, rows[i].budget())) > mine:
                         depth = min(k_model, rows[i].budget())
                         choices[i] = Choice(depth, "model", measure=k_model.measure)
                         continue
                 if k:
-                    cut = min(k, len(tokens))
-                    choices[i] = Choice(cut, "lookup", tokens[:cut], k.measure, heard)
+                    choices[i] = Choice(min(k, len(tokens)), "lookup", tokens[:k], k.measure)
         return choices
 
     def _together(self) -> tuple[int, float]:
@@ -392,7 +386,7 @@ class BatchDecoder(Decoder):
             auto = auto and row.fixed_k is None
             k.append(len(d))
             accepted.append(n)
-            sources.append(c.heard_as or c.source)
+            sources.append(c.source)
         free = any(k) and all(s != "model" for s, n in zip(sources, k, strict=True) if n)
         self.policy.observe(
             StepRecord(

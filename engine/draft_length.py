@@ -160,8 +160,7 @@ class Arm:
 class StepRecord:
     """One finished step, as the decoder tells it. `k[i]` is row i's drafts this step
     (as drafted, however many passed), `accepted[i]` how many of them passed,
-    `sources[i]` whose acceptance they tell ("model", or "lookup1".."lookup3": a
-    prompt-lookup draft by the length of the n-gram it follows), and
+    `sources[i]` where they came from ("model" or "lookup"), and
     `confidence[i]` the draft model's probability of each of row i's drafts (greedy
     model rows of a step that stopped early; else empty). `clean`: the step's seconds are
     a fair sample of a step's cost (False where it admitted rows: their prefill ran)."""
@@ -172,7 +171,7 @@ class StepRecord:
     seconds: float
     free: bool = False
     clean: bool = True
-    sources: list[str] = field(default_factory=list)  # per row: "model", "lookupN"
+    sources: list[str] = field(default_factory=list)  # per row: "model" or "lookup"
     confidence: list[list[float]] = field(default_factory=list)
     auto: bool = True  # the drafting rows are "auto" rows (a fixed K is no evidence of auto)
     cap: int | None = None  # the K decided, where the draft stopped before it (else max(k))

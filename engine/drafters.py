@@ -74,7 +74,6 @@ class LookupIndex:
         # (n-gram) -> index of the token that followed its latest occurrence
         self._follower: dict[tuple[int, ...], int] = {}
         self._start = -1
-        self.match = 0  # length of the n-gram the current proposal follows (0: none)
         self._queued: list[int] = []
         self.extend(tokens)
 
@@ -92,11 +91,11 @@ class LookupIndex:
                 follower[tuple(tokens[end - n : end])] = end
             tokens.append(tok)
         end = len(tokens)
-        self._start, self.match = -1, 0
+        self._start = -1
         for n in range(min(self.max_ngram, end), low - 1, -1):
             start = follower.get(tuple(tokens[end - n :]))
             if start is not None:
-                self._start, self.match = start, n
+                self._start = start
                 return
 
     @property

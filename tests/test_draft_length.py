@@ -275,14 +275,6 @@ def test_acceptance_is_counted_by_position():
     assert abs(third - second) < 0.2  # never reached: it leans on the position before
 
 
-def test_each_source_keeps_its_own_acceptance():
-    policy = DraftLengthPolicy()
-    for _ in range(100):  # lookup drafts after a 1-gram match fail, after a 3-gram pass
-        policy.observe(StepRecord(2, [3, 3], [0, 3], 0.01, sources=["lookup1", "lookup3"]))
-    assert policy.rates("lookup1")[0] < 0.15 < 0.85 < policy.rates("lookup3")[0]
-    assert policy.rates("model")[0] == pytest.approx(0.6)  # heard nothing: its prior
-
-
 def test_a_step_that_admitted_rows_or_ran_a_fixed_k_is_no_price():
     policy = DraftLengthPolicy()
     policy.observe(StepRecord(1, [0], [0], 5.0))  # a shape's first step: no price either

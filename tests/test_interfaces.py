@@ -8,7 +8,7 @@ import pytest
 
 import engine
 from engine import batch, drafters, heads, interfaces, plain
-from engine.draft_length import DraftLengthPolicy, StepRecord
+from engine.draft_length import DraftLengthPolicy
 from engine.loading import ModelPair
 from engine.sampling import SamplingParams
 
@@ -110,26 +110,6 @@ def test_fixed_and_sampled_rows_draft_what_they_ask_within_budget_and_cap():
         (0, "none", None),
     ]
     assert _choose([_row(0, "model", 8, None)], max_draft=3)[0].k == 3  # a block drafter's cap
-
-
-def test_a_lookup_proposal_says_how_long_a_match_it_follows():
-    # "auto" learns a lookup draft's acceptance by the length of the n-gram it follows
-    # (a 1-gram match is often chance, a 3-gram one a copy): Choice.heard_as.
-    index = drafters.LookupIndex([1, 2, 3, 9, 1, 2, 3])
-    assert index.propose(2) == [9, 1] and index.match == 3
-    index.append([7, 3])
-    assert index.propose(1) == [7] and index.match == 1
-    index.append([5])
-    assert index.propose(4) == [] and index.match == 0
-    rows = [_row(0, "lookup", None, None, greedy=True)]
-    rows[0].lookup = drafters.LookupIndex([1, 2, 3, 9, 1, 2, 3])
-    decoder = object.__new__(batch.BatchDecoder)
-    decoder.rows, decoder.policy = rows, DraftLengthPolicy()
-    decoder.policy.observe(StepRecord(1, [0], [0], 0.01))  # plain priced: it drafts
-    decoder.policy.observe(StepRecord(1, [0], [0], 0.01))
-    decoder.proposer = None
-    (choice,) = decoder._choose()
-    assert (choice.source, choice.heard_as) == ("lookup", "lookup3")
 
 
 def test_every_layer_kind_declares_the_row_layer_interface():
