@@ -69,7 +69,6 @@ class Choice:
     k: int = 0
     source: str = "none"
     tokens: list | None = None
-    measure: bool = False  # the row keeps only plain decoding's token (draft_length.Decision)
 
 
 @dataclass
@@ -259,34 +258,16 @@ class BatchDecoder(Decoder):
             logits = processors.process(logits, row_logits, drafts, self._executor())
         results = self._verify(logits, drafts, q)
         t2 = time.perf_counter()
-        heard = results  # what the drafts earned: the policy hears it
-        kept = drafts
-        if any(c.measure for c in choices):
-            results, kept = self._keep_plain(choices, drafts, results)
         keep = [1 + n for n, _ in results]
         self.t_rows.advance(width, keep)
         if features is not None:
             self.proposer.observe_target(features, keep)
-        steps = self._finish(choices, kept, results, t1 - t0, t2 - t1, raw)
+        steps = self._finish(choices, drafts, results, t1 - t0, t2 - t1, raw)
         for rows in (self.t_rows, self.proposer.rows if self.proposer is not None else None):
             if rows is not None and rows.waste() > COMPACT_WASTE:
                 rows.compact()
-        self._observe(chosen, forced, drafts, heard, confidence, start, joined)
+        self._observe(chosen, forced, drafts, results, confidence, start, joined)
         return steps
-
-    @staticmethod
-    def _keep_plain(choices, drafts, results):
-        """A row of a measuring step (`Choice.measure`) keeps only the token plain decoding
-        gives (its first draft where that passed, else the target's), and its drafts are
-        none to its statistics: the step measured a K's cost and acceptance for the policy,
-        and the row stays in step with rows it would finish beside."""
-        results, kept = list(results), list(drafts)
-        for i, c in enumerate(choices):
-            if c.measure:
-                n, nxt = results[i]
-                results[i] = (0, drafts[i][0] if n else nxt)
-                kept[i] = []
-        return results, kept
 
     # -- draft lengths -----------------------------------------------------------------
     def _schedule(self, drafter: str) -> SampledSchedule:
@@ -339,7 +320,7 @@ class BatchDecoder(Decoder):
             k_model = policy.decide(n, cap, free=False, together=together, left=left)
             for i, budget in model:
                 if k_model:
-                    choices[i] = Choice(min(k_model, budget), "model", measure=k_model.measure)
+                    choices[i] = Choice(min(k_model, budget), "model")
         if lookup:
             longest = max(len(t) for _, t in lookup)
             k = policy.decide(n, longest, free=not k_model, source="lookup")
@@ -350,11 +331,10 @@ class BatchDecoder(Decoder):
                     # draft is expected to pass more.
                     mine = expected_tokens(policy.rates("lookup"), min(k, len(tokens)))
                     if expected_tokens(rates, min(k_model, rows[i].budget())) > mine:
-                        depth = min(k_model, rows[i].budget())
-                        choices[i] = Choice(depth, "model", measure=k_model.measure)
+                        choices[i] = Choice(min(k_model, rows[i].budget()), "model")
                         continue
                 if k:
-                    choices[i] = Choice(min(k, len(tokens)), "lookup", tokens[:k], k.measure)
+                    choices[i] = Choice(min(k, len(tokens)), "lookup", tokens[:k])
         return choices
 
     def _together(self) -> tuple[int, float]:

@@ -66,19 +66,6 @@ class PolicyConfig:
     early_stop: bool = True
 
 
-class Decision(int):
-    """A decision: K (an int), and whether the step only measures it (`measure`): its
-    rows draft K and are verified, and each keeps only the token plain decoding gives, so
-    rows that would finish together stay together while K's cost is heard."""
-
-    measure: bool = False
-
-    def __new__(cls, k: int, measure: bool = False):
-        decision = super().__new__(cls, k)
-        decision.measure = measure and k > 0
-        return decision
-
-
 def expected_tokens(rates: list[float], k: int) -> float:
     """Tokens one step of k drafts emits a row, where rates[i] is the acceptance of draft
     i + 1 given the drafts before it passed (one when none passes: the target's own)."""
@@ -315,7 +302,7 @@ class DraftLengthPolicy:
         source: str = "model",
         together: int = 0,
         left: float = 0.0,
-    ) -> Decision:
+    ) -> int:
         """The K this step's greedy "auto" rows draft (at most `cap`), 0 for plain.
         `together`, `left`: the joins plain decoding saves by finishing rows that share
         their tokens left on one step, and those rows' mean tokens left; drafting parts
@@ -324,9 +311,9 @@ class DraftLengthPolicy:
         cls = size_class(rows)
         arms = sorted({0, star, max(star - 1, 0), min(star + 1, cap, self.config.max_k)})
         if self._explore_every and self.steps % self._explore_every == 0:
-            # A drafting play would part rows in step: then it only measures.
-            k = min(arms, key=lambda k: self.arms.get((cls, free, k), Arm()).last)
-            return Decision(k, measure=together >= 1)
+            # Rows in step are parted by any drafting play: then only plain is re-heard.
+            heard = arms if together < 1 else [0]
+            return min(heard, key=lambda k: self.arms.get((cls, free, k), Arm()).last)
         trust, decay = self.config.trust, self.config.decay
         rates, join = self.rates(source), self.join_seconds()
         plain, drafting = self.prices(rows, free)
@@ -347,8 +334,8 @@ class DraftLengthPolicy:
             return tokens / (price + self.parting(k, tokens, together, left, join))
 
         if self.arms.get((cls, free, star), Arm()).plays < trust:
-            return Decision(star)  # the model's choice is heard before the net judges it
-        return Decision(max(arms, key=score))
+            return star  # the model's choice is heard before the net judges it
+        return max(arms, key=score)
 
     def keep_drafting(self, rows: int, cap: int, confidence: list[list[float]]) -> bool:
         """Between draft passes: whether the rows (each with the draft model's probability

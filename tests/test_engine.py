@@ -135,29 +135,6 @@ def test_greedy_auto_drafts_by_lookup_where_text_repeats_and_stays_exact(demo, m
     assert "lookup" in sources and "model" in sources, sources
 
 
-def test_a_measuring_step_keeps_plain_decodings_token_and_the_text_exact(demo, monkeypatch):
-    # A step that only measures a K (draft_length.Decision.measure: rows in step stay in
-    # step) drafts and verifies K tokens, and each row keeps the one token plain decoding
-    # gives; the draft model's cache keeps up. (Mutation: keep the accepted drafts -> a
-    # step emits more than one token.)
-    from engine.draft_length import Decision
-
-    ids = demo.tokenizer.encode("def fibonacci(n):\n    if n < 2:\n        return n\n")
-    plain = SpeculativeDecoder(demo, ids, SamplingParams(0.0), num_draft_tokens=0, max_tokens=40)
-    expected = [t for step in plain.steps() for t in step.tokens]
-    monkeypatch.setattr(demo, "policy", paying_policy())
-    monkeypatch.setattr(demo.policy, "decide", lambda *a, **k: Decision(3, measure=True))
-    dec = SpeculativeDecoder(demo, ids, SamplingParams(0.0), drafter="model", max_tokens=40)
-    out = []
-    for step in dec.steps():
-        assert len(step.tokens) == 1 and step.proposed == 0
-        out += step.tokens
-        target_len, draft_len = dec.cache_lengths()
-        assert target_len == len(ids) + len(out) - 1
-        assert draft_len == len(ids) + len(out) - len(dec.draft_pending)
-    assert out == expected
-
-
 def paying_policy():
     """A draft-length policy that has heard drafting pay at one row: plain steps of 10 ms,
     drafting steps of 10.5 ms + 0.5 ms a draft, every draft passing at 0.9."""
