@@ -81,6 +81,12 @@ def size_class(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+def clipped(sample: float, current: float) -> float:
+    """A timing as far as twice off `current` at most: a load burst moves a price as if it
+    were twice off, and a persistent change is still followed within a few samples."""
+    return min(max(sample, current / 2), current * 2)
+
+
 @dataclass
 class Line:
     """Seconds against K by least squares, each sample decaying the older by `decay`."""
@@ -95,8 +101,8 @@ class Line:
 
     def add(self, k: int, seconds: float) -> None:
         now = self(k) if self.ready() else 0.0
-        if now > 0:  # a load burst moves the line as if it were twice off at most
-            seconds = min(max(seconds, now / 2), now * 2)
+        if now > 0:
+            seconds = clipped(seconds, now)
         d = self.decay
         self.w, self.k, self.kk = self.w * d + 1, self.k * d + k, self.kk * d + k * k
         self.t, self.kt = self.t * d + seconds, self.kt * d + k * seconds
@@ -398,11 +404,7 @@ class DraftLengthPolicy:
             self.lines.setdefault((cls, step.free), Line(d)).add(depth, step.seconds)
         decided = depth if step.cap is None else step.cap
         arm = self.arms.setdefault((cls, step.free, decided), Arm())
-        t = (
-            step.seconds
-            if arm.plays == 0
-            else min(max(step.seconds, arm.seconds / 2), arm.seconds * 2)
-        )
+        t = step.seconds if arm.plays == 0 else clipped(step.seconds, arm.seconds)
         arm.seconds = t if arm.plays == 0 else arm.seconds * d + t * (1 - d)
         arm.plays += 1
         arm.last = self.steps
