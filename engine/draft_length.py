@@ -152,7 +152,10 @@ class Arm:
 @dataclass
 class StepRecord:
     """One finished step, as the decoder tells it. `k[i]` is row i's drafts this step
-    (as drafted, however many passed), `accepted[i]` how many of them passed,
+    (as drafted, however many passed), `judged[i]` how many positions of its proposal
+    the target's output judged (k[i] unless given; one more for a free proposal longer
+    than its draft: a plain step judges such a proposal's first token), `accepted[i]`
+    how many of those passed,
     `sources[i]` where they came from ("model" or "lookup"), and
     `confidence[i]` the draft model's probability of each of row i's drafts (greedy
     model rows of a step that stopped early; else empty). `clean`: the step's seconds are
@@ -169,6 +172,7 @@ class StepRecord:
     auto: bool = True  # the drafting rows are "auto" rows (a fixed K is no evidence of auto)
     cap: int | None = None  # the K decided, where the draft stopped before it (else max(k))
     joined: int = 0  # rows the step admitted (then not clean: their prefill ran in it)
+    judged: list[int] = field(default_factory=list)  # per row; empty: k
 
 
 #: Confidence buckets: acceptance is counted by the draft's probability in tenths.
@@ -373,7 +377,8 @@ class DraftLengthPolicy:
         """Fold one finished step into acceptance, costs and realized speeds."""
         self.steps += 1
         sources = step.sources or ["model"] * len(step.k)
-        for k, n, source in zip(step.k, step.accepted, sources, strict=True):
+        judged = step.judged or step.k
+        for k, n, source in zip(judged, step.accepted, sources, strict=True):
             if k:
                 self._rates.pop(source, None)
             table = self._positions(source)

@@ -148,6 +148,39 @@ def paying_policy():
     return policy
 
 
+def test_lookup_acceptance_is_heard_on_plain_steps_so_a_collapse_recovers(demo, monkeypatch):
+    # Lookup proposals are free, so the target's own token judges a proposal the step did
+    # not draft. A policy that heard lookup fail everywhere (as on text that never repeats)
+    # still hears it pass on a text that does, and drafts it again. Mutant that judges only
+    # what was drafted: the policy never drafts lookup again and this fails.
+    from engine.draft_length import DraftLengthPolicy, PolicyConfig, StepRecord
+
+    policy = DraftLengthPolicy(PolicyConfig(explore=0.0))  # no forced plays: only hearing
+    for k in (0, 0, 0, 1, 1, 2, 2, 3, 3):
+        policy.observe(StepRecord(1, [k], [0], 0.010 + 0.002 * k, free=k > 0, sources=["lookup"]))
+    for _ in range(60):
+        policy.observe(StepRecord(1, [4], [0], 0.018, free=True, sources=["lookup"]))
+    assert policy.decide(1, 8, free=True, source="lookup") == 0
+    observe = policy.observe
+
+    def priced(step):  # this machine's timings replaced by the same synthetic costs
+        depth = max(step.k, default=0)
+        step.seconds = 0.010 + 0.002 * depth
+        observe(step)
+
+    monkeypatch.setattr(demo, "policy", policy)
+    monkeypatch.setattr(policy, "observe", priced)
+    text = "def parse(text):\n    for line in text.splitlines():\n        yield line\n\n"
+    ids = demo.tokenizer.encode(text * 3 + "def parse(text):\n    for")
+    ref = reference_greedy(demo, ids, 80)
+    dec = SpeculativeDecoder(demo, ids, SamplingParams(0.0), drafter="lookup", max_tokens=80)
+    steps = list(dec.steps())
+    assert [t for s in steps for t in s.tokens] == ref
+    drafted = [s.proposed for s in steps if s.source == "lookup"]
+    assert sum(drafted) >= 10, [(s.source, s.proposed, s.accepted) for s in steps]
+    assert "lookup-copying" in policy.positions, sorted(policy.positions)
+
+
 def test_stop_string_ends_text_before_it_even_across_blocks(demo):
     base = GenerationRequest(prompt="def fibonacci(n):", max_tokens=60, num_draft_tokens=4)
     full = engine.generate(demo, base).text
