@@ -478,7 +478,7 @@ class BatchDecoder(Decoder):
         if (
             self.proposer.stops_early
             and policy is not None
-            and policy.config.early_stop
+            and policy.stops_early(len(self.rows))
             and all(
                 r.greedy_auto
                 for r, c in zip(self.rows, choices, strict=True)

@@ -282,6 +282,7 @@ class ModelProposer(Proposer):
         tokens, laws = [], []
         used = [j for j, m in enumerate(members) if m.used]
         probs: dict = {members[j].key: [] for j in used}
+        sure: list = []  # per pass, the drafting rows' confidence, not yet read
         for step in range(depth):
             out = self.model(feed, cache=self.cache)
             if step == 0 and last is not None:
@@ -304,10 +305,9 @@ class ModelProposer(Proposer):
             laws.append(law)
             if stop is not None:
                 top = logits[mx.array(used)]
-                sure = mx.exp(mx.max(top, axis=-1) - mx.logsumexp(top, axis=-1)).tolist()
-                for j, p in zip(used, sure, strict=True):
-                    probs[members[j].key].append(p)
-                if step + 1 < depth and not stop(probs):
+                sure.append(mx.exp(mx.max(top, axis=-1) - mx.logsumexp(top, axis=-1)))
+                # The last pass's confidence is read with its tokens (no sync of its own).
+                if step + 1 < depth and not stop(self._confidence(probs, used, sure)):
                     self.depth = step + 1
                     break
             if step + 1 < depth:
@@ -318,7 +318,17 @@ class ModelProposer(Proposer):
                     backlog = mx.array([m.pending[m.read] if m.reading else 0 for m in members])
                     reading = mx.array([m.reading for m in members])
                     feed = mx.where(reading[:, None], backlog[:, None], feed)
+        if sure:
+            self._confidence(probs, used, sure)
         return tokens, laws
+
+    def _confidence(self, probs: dict, used: list, sure: list) -> dict:
+        """Read the passes' confidences not read yet into probs ({key: [p per draft]})."""
+        for pass_probs in sure:
+            for j, p in zip(used, pass_probs.tolist(), strict=True):
+                probs[self.members[j].key].append(p)
+        sure.clear()
+        return probs
 
     def _sample(self, logits, step):
         """Tokens for every member at this depth, and the laws of the sampled members

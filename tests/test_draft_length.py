@@ -244,7 +244,7 @@ def test_early_stopping_pays_where_confidence_predicts_and_verifying_is_cheap():
     for verify, gain in ((0.1, 1.05), (0.9, 0.99)):
         world = World(verify=verify, draft=0.001, confident=True)
         on = [speed(replay(world, 800, 1, seed=s), 200) for s in range(3)]
-        config = PolicyConfig(early_stop=False)
+        config = PolicyConfig(early_stop_rows=0)
         off = [
             speed(replay(world, 800, 1, policy=DraftLengthPolicy(config), seed=s), 200)
             for s in range(3)

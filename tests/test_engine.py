@@ -181,6 +181,26 @@ def test_lookup_acceptance_is_heard_on_plain_steps_so_a_collapse_recovers(demo, 
     assert "lookup-copying" in policy.positions, sorted(policy.positions)
 
 
+def test_a_draft_that_stops_early_stays_exact_and_reports_every_draft_confidence(demo, monkeypatch):
+    # A single greedy "auto" row: the draft model reads its confidence after each pass and
+    # the policy ends the block early; the text is still the target's, and the policy hears
+    # the draft's confidence in each draft it made, the last pass's included.
+    policy = paying_policy()
+    heard = []
+    monkeypatch.setattr(demo, "policy", policy)
+    monkeypatch.setattr(policy, "observe", heard.append)
+    monkeypatch.setattr(policy, "decide", lambda *a, **kw: 4)
+    monkeypatch.setattr(policy, "keep_drafting", lambda rows, cap, conf: len(conf[0]) < 2)
+    ids = demo.tokenizer.encode("def fibonacci(n):")
+    ref = reference_greedy(demo, ids, 40)
+    dec = SpeculativeDecoder(demo, ids, SamplingParams(0.0), drafter="model", max_tokens=40)
+    assert [t for s in dec.steps() for t in s.tokens] == ref
+    model = [h for h in heard if h.k[0] and h.sources[0] == "model"]
+    assert model and all(h.k == [2] for h in model), [h.k for h in heard]
+    assert all(len(h.confidence[0]) == 2 for h in model), [h.confidence for h in model]
+    assert all(0.0 < p <= 1.0 for h in model for p in h.confidence[0])
+
+
 def test_stop_string_ends_text_before_it_even_across_blocks(demo):
     base = GenerationRequest(prompt="def fibonacci(n):", max_tokens=60, num_draft_tokens=4)
     full = engine.generate(demo, base).text
