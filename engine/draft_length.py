@@ -19,9 +19,9 @@ K* is the fastest, and 0 unless drafting is predicted faster than plain by `marg
 A model is only as good as its inputs (a step's price misses rows parting; a Mac's costs
 are not a CPU's), so a safety net plays the realized speeds: among K*-1, K*, K*+1 and 0
 it plays the one with the highest measured tokens a row-second (an arm heard fewer than
-`trust` times is scored by the model), and every 1/explore steps it plays the arm heard
-least recently instead. Drafting that loses to plain is therefore stopped by
-measurement, whatever the model says.
+`trust` times is scored by the model), and every 1/explore steps (2/explore while those
+plays keep confirming its choice) it plays the arm heard least recently instead. Drafting
+that loses to plain is therefore stopped by measurement, whatever the model says.
 
 Early stopping. The draft model's confidence in its token (its probability) predicts
 whether the target will accept it. Acceptance is also counted by confidence, and after
@@ -57,8 +57,9 @@ class PolicyConfig:
     #: Predicted gain drafting must show over plain before the model picks it: guards
     #: against a model that over-rates drafting, at the price of marginal wins.
     margin: float = 0.03
-    #: Share of steps played on the arm heard least recently: keeps every arm's realized
-    #: speed live (a change is noticed), at the price of that share of steps off the best.
+    #: Share of steps played on the arm heard least recently (half of it while those plays
+    #: confirm the choice): keeps every arm's realized speed live (a change is noticed),
+    #: at the price of that share of steps off the best.
     explore: float = 0.02
     #: Plays of an arm before its realized speed, not the model's prediction, scores it:
     #: fewer reacts sooner, more trusts one noisy step less.
@@ -154,6 +155,40 @@ class Arm:
 
 
 @dataclass
+class Probe:
+    """When the next forced play of one (class, free, source) is due. A forced play that
+    leaves the net's choice as it was doubles the wait to the next one (up to twice the
+    `explore` share's), and one that changes it brings the wait back: where a forced play
+    is dear (at 16 rows it wakes every row's draft cache) and confirms plain every time,
+    it is made less often; where the best K moves, as often as `explore` says."""
+
+    base: int  # steps between forced plays at the `explore` share (0: none)
+    every: int = 0  # steps between forced plays now
+    due: int = 0  # the step count at which the next one is due
+    asked: int | None = None  # the step count of a forced play not yet followed by a choice
+    choice: int | None = None  # the net's last choice
+
+    def __post_init__(self) -> None:
+        self.every = self.due = self.base
+
+    def force(self, step: int) -> bool:
+        """Whether step `step` is a forced play (then it is counted as one)."""
+        if not self.base or step < self.due:
+            return False
+        self.asked, self.due = step, step + self.every
+        return True
+
+    def answer(self, choice: int) -> int:
+        """The net's choice, noted: the first after a forced play sets the next wait."""
+        if self.asked is not None:
+            same = choice == self.choice
+            self.every = min(self.every * 2, 2 * self.base) if same else self.base
+            self.due, self.asked = self.asked + self.every, None
+        self.choice = choice
+        return choice
+
+
+@dataclass
 class StepRecord:
     """One finished step, as the decoder tells it. `k[i]` is row i's drafts this step
     (as drafted, however many passed), `judged[i]` how many positions of its proposal
@@ -195,6 +230,7 @@ class DraftLengthPolicy:
         self.plain: dict[int, float] = {}  # class -> plain step seconds (decayed mean)
         self.lines: dict[tuple, Line] = {}  # (class, free) -> drafting seconds against K
         self.arms: dict[tuple, Arm] = {}  # (class, free, K) -> realized speed
+        self.probes: dict[tuple, Probe] = {}  # (class, free, source) -> forced plays
         self.steps = 0
         self._rates: dict = {}  # source -> rates(source), until its next draft is heard
         self.shapes: set = set()  # (rows, free, depth) heard once: later ones are prices
@@ -286,15 +322,11 @@ class DraftLengthPolicy:
 
     # -- the decision -----------------------------------------------------------------
     def join_seconds(self) -> float:
-        """What one join of rows costs beyond their prefill (0 until a join is heard): the
-        intercept of the joins' line, or, before joins of two sizes are heard, the
-        seconds a joined row cost (the smaller guess)."""
-        j = self.joins
-        if j.w == 0:
-            return 0.0
-        if j.ready():
-            return max(j(0), 0.0)
-        return max(j.t / j.k, 0.0) if j.k else 0.0
+        """What one join of rows costs beyond their prefill: the intercept of the joins'
+        line, 0 until joins of two sizes are heard (a join's seconds over its rows would
+        count each row's own prefill, which it pays however it joins, as the join's: at 4
+        demo rows that priced a join at 10-15 ms where its intercept read 3-5)."""
+        return max(self.joins(0), 0.0) if self.joins.ready() else 0.0
 
     def parting(self, k: int, tokens: float, together: int, left: float, join: float) -> float:
         """Seconds a step of k drafts adds by parting rows that plain decoding finishes on
@@ -324,10 +356,16 @@ class DraftLengthPolicy:
         star = self.model_k(rows, cap, free, source, together, left)
         cls = size_class(rows)
         arms = sorted({0, star, max(star - 1, 0), min(star + 1, cap, self.config.max_k)})
-        if self._explore_every and self.steps % self._explore_every == 0:
+        probe = self.probes.setdefault((cls, free, source), Probe(self._explore_every))
+        if probe.force(self.steps):
             # Rows in step are parted by any drafting play: then only plain is re-heard.
             heard = arms if together < 1 else [0]
             return min(heard, key=lambda k: self.arms.get((cls, free, k), Arm()).last)
+        return probe.answer(self._net(star, arms, rows, free, source, together, left))
+
+    def _net(self, star, arms, rows, free, source, together, left) -> int:
+        """The safety net's pick among `arms` (`star`: the model's K)."""
+        cls = size_class(rows)
         trust, decay = self.config.trust, self.config.decay
         rates, join = self.rates(source), self.join_seconds()
         plain, drafting = self.prices(rows, free)
