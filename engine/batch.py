@@ -370,29 +370,16 @@ class BatchDecoder(Decoder):
             zip(self.rows, chosen, drafts, results, strict=True)
         ):
             offered = c.offered if i not in forced and c.source != "model" else None
+            heard = (len(d), n, len(d), c.source) if d and i not in forced else (0, 0, 0, "model")
             if offered:
                 emitted = d[:n] + [nxt]
                 seen = min(len(offered), len(d) + 1)
                 passed = next((j for j in range(seen) if offered[j] != emitted[j]), seen)
-                k.append(len(d))
-                accepted.append(passed)
-                judged.append(seen)
-                sources.append(lookup_source(row))
-                row.copying = 0 < passed == seen
-                auto = auto and (not d or row.fixed_k is None)
-                continue
-            row.copying = False
-            if i in forced or not d:
-                k.append(0)
-                accepted.append(0)
-                judged.append(0)
-                sources.append("model")
-                continue
-            auto = auto and row.fixed_k is None
-            k.append(len(d))
-            accepted.append(n)
-            judged.append(len(d))
-            sources.append(c.source)
+                heard = (len(d), passed, seen, lookup_source(row))
+            row.copying = bool(offered) and 0 < heard[1] == heard[2]
+            auto = auto and (not heard[0] or row.fixed_k is None)
+            for out, value in zip((k, accepted, judged, sources), heard, strict=True):
+                out.append(value)
         free = any(k) and all(s != "model" for s, n in zip(sources, k, strict=True) if n)
         self.policy.observe(
             StepRecord(
@@ -404,6 +391,7 @@ class BatchDecoder(Decoder):
                 free=free,
                 clean=not joined,
                 joined=joined,
+                cap=max((c.k for c in chosen if c.source == "model"), default=None),
                 sources=sources,
                 confidence=[confidence.get(r.key, []) for r in self.rows] if confidence else [],
                 auto=auto,

@@ -194,9 +194,8 @@ class StepRecord:
     (as drafted, however many passed), `judged[i]` how many positions of its proposal
     the target's output judged (k[i] unless given; one more for a free proposal longer
     than its draft: a plain step judges such a proposal's first token), `accepted[i]`
-    how many of those passed,
-    `sources[i]` where they came from ("model" or "lookup"), and
-    `confidence[i]` the draft model's probability of each of row i's drafts (greedy
+    how many of those passed, `sources[i]` where they came from ("model", "lookup" or
+    "lookup-copying": see `batch.lookup_source`), and `confidence[i]` the draft model's probability of each of row i's drafts (greedy
     model rows of a step that stopped early; else empty). `clean`: the step's seconds are
     a fair sample of a step's cost (False where it admitted rows: their prefill ran)."""
 
@@ -206,7 +205,7 @@ class StepRecord:
     seconds: float
     free: bool = False
     clean: bool = True
-    sources: list[str] = field(default_factory=list)  # per row: "model" or "lookup"
+    sources: list[str] = field(default_factory=list)  # per row
     confidence: list[list[float]] = field(default_factory=list)
     auto: bool = True  # the drafting rows are "auto" rows (a fixed K is no evidence of auto)
     cap: int | None = None  # the K decided, where the draft stopped before it (else max(k))
