@@ -279,13 +279,12 @@ class BatchDecoder(Decoder):
     # -- draft lengths -----------------------------------------------------------------
     def _schedule(self, drafter: str) -> SampledSchedule:
         """A sampled "auto" row's schedule, from what its drafter declares it costs."""
-        policy = self.policy
-        config = policy.config if policy is not None else None
+        config = self.policy.config if self.policy is not None else None
         proposer = self.proposer if drafter == "model" else None
-        draft_cost = proposer.draft_cost if proposer is not None else 0.0
+        cost = proposer.draft_cost if proposer is not None else 0.0
         block = proposer is not None and proposer.block
         verify = VERIFY_COST["gpu" if mx.default_device() == mx.gpu else "cpu"]
-        return SampledSchedule(config, draft_cost, verify, block)
+        return SampledSchedule(config, cost, verify, block)
 
     def _choose(self) -> list[Choice]:
         """Every row's draft this step: a fixed K or a sampled row's schedule as it says,
@@ -319,8 +318,7 @@ class BatchDecoder(Decoder):
                 choices[i] = Choice(len(tokens), "lookup" if tokens else "none", tokens)
             elif k:
                 choices[i] = Choice(k, "model")
-        n = len(rows)
-        k_model = 0
+        n, k_model = len(rows), 0
         if model:
             together, left = self._together()
             cap = min(cap, max(b for _, b in model))
@@ -328,7 +326,6 @@ class BatchDecoder(Decoder):
             for i, budget in model:
                 if k_model:
                     choices[i] = Choice(min(k_model, budget), "model")
-        rates = policy.rates("model")
         for source in sorted({lookup_source(rows[i]) for i, _ in lookup}):
             group = [(i, t) for i, t in lookup if lookup_source(rows[i]) == source]
             longest = max(len(t) for _, t in group)
@@ -339,7 +336,7 @@ class BatchDecoder(Decoder):
                     # The draft model runs for the batch anyway: the row takes whichever
                     # draft is expected to pass more.
                     mine = expected_tokens(policy.rates(source), min(k, len(tokens)))
-                    if expected_tokens(rates, min(k_model, rows[i].budget())) > mine:
+                    if expected_tokens(policy.rates(), min(k_model, rows[i].budget())) > mine:
                         choices[i] = Choice(min(k_model, rows[i].budget()), "model")
                         continue
                 if k:

@@ -156,33 +156,19 @@ class Arm:
 
 @dataclass
 class Probe:
-    """When the next forced play of one (class, free, source) is due. A forced play that
-    leaves the net's choice as it was doubles the wait to the next one (up to twice the
-    `explore` share's), and one that changes it brings the wait back: where a forced play
-    is dear (at 16 rows it wakes every row's draft cache) and confirms plain every time,
-    it is made less often; where the best K moves, as often as `explore` says."""
+    """Forced plays of one (class, free, source): one every `every` steps, from `base`
+    (1/explore) to twice it while the plays leave the net's choice as it was (a play can
+    be dear: at 16 rows it wakes every row's draft cache), back to `base` when one moves it."""
 
-    base: int  # steps between forced plays at the `explore` share (0: none)
-    every: int = 0  # steps between forced plays now
-    due: int = 0  # the step count at which the next one is due
+    base: int
+    every: int
+    due: int = 0  # the step count of the next forced play
     asked: int | None = None  # the step count of a forced play not yet followed by a choice
     choice: int | None = None  # the net's last choice
 
-    def __post_init__(self) -> None:
-        self.every = self.due = self.base
-
-    def force(self, step: int) -> bool:
-        """Whether step `step` is a forced play (then it is counted as one)."""
-        if not self.base or step < self.due:
-            return False
-        self.asked, self.due = step, step + self.every
-        return True
-
     def answer(self, choice: int) -> int:
-        """The net's choice, noted: the first after a forced play sets the next wait."""
         if self.asked is not None:
-            same = choice == self.choice
-            self.every = min(self.every * 2, 2 * self.base) if same else self.base
+            self.every = min(self.every * 2, 2 * self.base) if choice == self.choice else self.base
             self.due, self.asked = self.asked + self.every, None
         self.choice = choice
         return choice
@@ -355,8 +341,10 @@ class DraftLengthPolicy:
         star = self.model_k(rows, cap, free, source, together, left)
         cls = size_class(rows)
         arms = sorted({0, star, max(star - 1, 0), min(star + 1, cap, self.config.max_k)})
-        probe = self.probes.setdefault((cls, free, source), Probe(self._explore_every))
-        if probe.force(self.steps):
+        every = self._explore_every
+        probe = self.probes.setdefault((cls, free, source), Probe(every, every, every))
+        if every and self.steps >= probe.due:
+            probe.asked, probe.due = self.steps, self.steps + probe.every
             # Rows in step are parted by any drafting play: then only plain is re-heard.
             heard = arms if together < 1 else [0]
             return min(heard, key=lambda k: self.arms.get((cls, free, k), Arm()).last)
@@ -426,10 +414,8 @@ class DraftLengthPolicy:
         for k, n, source in zip(judged, step.accepted, sources, strict=True):
             if k:
                 self._rates.pop(source, None)
-            table = self._positions(source)
-            for i in range(
-                min(k, n + 1)
-            ):  # positions reached: every passed one, and the first miss
+            table = self._positions(source)  # positions reached: the passed, the first miss
+            for i in range(min(k, n + 1)):
                 table[i].add(i < n)
         for probs, n in zip(step.confidence, step.accepted, strict=False):
             for i, p in enumerate(probs[: n + 1]):
@@ -456,8 +442,7 @@ class DraftLengthPolicy:
         arm = self.arms.setdefault((cls, step.free, decided), Arm())
         t = step.seconds if arm.plays == 0 else clipped(step.seconds, arm.seconds)
         arm.seconds = t if arm.plays == 0 else arm.seconds * d + t * (1 - d)
-        arm.plays += 1
-        arm.last = self.steps
+        arm.plays, arm.last = arm.plays + 1, self.steps
 
 
 class SampledSchedule:
