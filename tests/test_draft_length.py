@@ -183,6 +183,16 @@ def test_moves_to_plain_within_a_few_dozen_steps_when_acceptance_collapses():
     assert sum(k == 0 for k in ks[360:600]) >= 0.9 * 240  # plain within 60 steps
 
 
+def test_forced_plays_that_keep_confirming_plain_come_half_as_often():
+    # On a CPU at 16 rows drafting never pays: every forced drafting play confirms plain
+    # (and in an engine wakes every row's draft cache), so they space out to 2/explore.
+    # Mutant that never spaces them: 1/explore of the steps draft.
+    ks, _, _ = replay(CPU, 2000, 16, seed=4)
+    drafted = sum(k > 0 for k in ks[400:])
+    every = round(1 / PolicyConfig().explore)
+    assert 0 < drafted <= 1600 / (2 * every) + 2, drafted
+
+
 def test_moves_back_to_drafting_when_acceptance_recovers():
     good, bad = World(acceptance=(0.95,), verify=0.2), World(acceptance=(0.05,), verify=0.2)
     ks, _, _ = replay(bad, 900, 1, seed=3, change_at=300, after=good)
@@ -218,6 +228,22 @@ def test_rows_that_would_finish_together_are_parted_only_where_it_pays():
     for _ in range(100):  # rows join on most steps anyway (a refilling batch)
         policy.observe(StepRecord(16, [0] * 16, [0] * 16, 0.017, clean=False, joined=1))
     assert policy.decide(16, 8, together=15, left=20) > 0
+
+
+def test_a_join_of_one_size_is_no_join_price():
+    # Joins of one size cannot tell a join's own cost from its rows' prefill (paid however
+    # they join): no parting is charged until two sizes are heard. Mutant pricing a join
+    # at its seconds over its rows: 20 ms a join holds these rows on plain.
+    policy = DraftLengthPolicy(PolicyConfig(explore=0))
+    rng = random.Random(8)
+    for _ in range(60):
+        for k in (0, 1, 2):
+            ok = [sum(1 for _ in range(k) if rng.random() < 0.8) for _ in range(16)]
+            policy.observe(StepRecord(16, [k] * 16, ok, 0.010 + 0.002 * k))
+    for _ in range(3):
+        policy.observe(StepRecord(16, [0] * 16, [0] * 16, 0.03, clean=False, joined=1))
+    assert policy.joins.w > 0 and policy.join_seconds() == 0.0
+    assert policy.decide(16, 8, together=15, left=20) == policy.decide(16, 8) > 0
 
 
 def test_rows_in_step_are_never_parted_to_explore():
