@@ -128,7 +128,10 @@ class Line:
 
 @dataclass
 class Rate:
-    """A decayed success rate with a prior weighing `weight` trials."""
+    """A decayed success rate with a prior weighing `weight` trials, which decays with
+    them: a prior that did not would floor the rate (decayed trials add up to
+    1/(1 - decay), so a 0.6 prior of weight 4 held a random draft at 0.1 acceptance, and
+    at 16 rows "auto" drafted it at 0.72x plain)."""
 
     prior: float
     weight: float
@@ -139,6 +142,7 @@ class Rate:
     def add(self, hit: bool) -> None:
         self.hits = self.hits * self.decay + hit
         self.trials = self.trials * self.decay + 1.0
+        self.weight *= self.decay
 
     def value(self, prior: float | None = None) -> float:
         p = self.prior if prior is None else prior
