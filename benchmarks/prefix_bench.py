@@ -87,22 +87,25 @@ def ours(pair, prompts, max_tokens, batch):
     return out, cached
 
 
-def mlx_batch(pair, prompts, max_tokens, batch):
-    """mlx-lm batch_generate, `batch` prompts at a time."""
+def mlx_batch(pair, prompts, max_tokens, batch, cache=None):
+    """mlx-lm batch_generate, `batch` prompts at a time; given `cache` (a prefilled
+    prefix), each prompt starts from a copy of it and passes only what follows it."""
+    skip = cache[0].offset if cache is not None else 0
     out = []
     for i in range(0, len(prompts), batch):
         group = prompts[i : i + batch]
         res = batch_generate(
             pair.target,
             pair.tokenizer,
-            group,
+            [p[skip:] for p in group],
+            prompt_caches=[copy.deepcopy(cache) for _ in group] if cache is not None else None,
             max_tokens=max_tokens,
             return_token_ids=True,
             completion_batch_size=batch,
             prefill_batch_size=batch,
         )
         out += res.token_ids
-    return out, 0
+    return out, skip * len(prompts)
 
 
 def mlx_hand_cache(pair, prompts, max_tokens, batch, prefix_len):
@@ -110,21 +113,7 @@ def mlx_hand_cache(pair, prompts, max_tokens, batch, prefix_len):
     cache = make_prompt_cache(pair.target)
     pair.target(mx.array([prompts[0][:prefix_len]]), cache=cache)
     mx.eval([c.state for c in cache])
-    out = []
-    for i in range(0, len(prompts), batch):
-        group = prompts[i : i + batch]
-        res = batch_generate(
-            pair.target,
-            pair.tokenizer,
-            [p[prefix_len:] for p in group],
-            prompt_caches=[copy.deepcopy(cache) for _ in group],
-            max_tokens=max_tokens,
-            return_token_ids=True,
-            completion_batch_size=batch,
-            prefill_batch_size=batch,
-        )
-        out += res.token_ids
-    return out, prefix_len * len(prompts)
+    return mlx_batch(pair, prompts, max_tokens, batch, cache)
 
 
 def timed(fn, *args):
