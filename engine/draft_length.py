@@ -128,10 +128,8 @@ class Line:
 
 @dataclass
 class Rate:
-    """A decayed success rate with a prior weighing `weight` trials, which decays with
-    them: a prior that did not would floor the rate (decayed trials add up to
-    1/(1 - decay), so a 0.6 prior of weight 4 held a random draft at 0.1 acceptance, and
-    at 16 rows "auto" drafted it at 0.72x plain)."""
+    """A decayed success rate with a prior of `weight` trials that decays with them (a
+    fixed one floored it: a random draft stayed at 0.1 and was drafted at 0.72x plain)."""
 
     prior: float
     weight: float
@@ -185,9 +183,10 @@ class StepRecord:
     the target's output judged (k[i] unless given; one more for a free proposal longer
     than its draft: a plain step judges such a proposal's first token), `accepted[i]`
     how many of those passed, `sources[i]` where they came from ("model", "lookup" or
-    "lookup-copying": see `batch.lookup_source`), and `confidence[i]` the draft model's probability of each of row i's drafts (greedy
-    model rows of a step that stopped early; else empty). `clean`: the step's seconds are
-    a fair sample of a step's cost (False where it admitted rows: their prefill ran)."""
+    "lookup-copying": see `batch.lookup_source`), and `confidence[i]` the draft model's
+    probability of each of row i's drafts (greedy model rows of a step that stopped early;
+    else empty). `clean`: the step's seconds are a fair sample of a step's cost (False
+    where it admitted rows: their prefill ran)."""
 
     rows: int
     k: list[int]
@@ -312,9 +311,8 @@ class DraftLengthPolicy:
     # -- the decision -----------------------------------------------------------------
     def join_seconds(self) -> float:
         """What one join of rows costs beyond their prefill: the intercept of the joins'
-        line, 0 until joins of two sizes are heard (a join's seconds over its rows would
-        count each row's own prefill, which it pays however it joins, as the join's: at 4
-        demo rows that priced a join at 10-15 ms where its intercept read 3-5)."""
+        line, 0 until joins of two sizes are heard (one size cannot tell it from the rows'
+        own prefill: at 4 demo rows that read 10-15 ms a join, the intercept 3-5)."""
         return max(self.joins(0), 0.0) if self.joins.ready() else 0.0
 
     def parting(self, k: int, tokens: float, together: int, left: float, join: float) -> float:
@@ -352,11 +350,10 @@ class DraftLengthPolicy:
             # Rows in step are parted by any drafting play: then only plain is re-heard.
             heard = arms if together < 1 else [0]
             return min(heard, key=lambda k: self.arms.get((cls, free, k), Arm()).last)
-        return probe.answer(self._net(star, arms, rows, free, source, together, left))
+        return probe.answer(self._net(star, arms, cls, rows, free, source, together, left))
 
-    def _net(self, star, arms, rows, free, source, together, left) -> int:
+    def _net(self, star, arms, cls, rows, free, source, together, left) -> int:
         """The safety net's pick among `arms` (`star`: the model's K)."""
-        cls = size_class(rows)
         trust, decay = self.config.trust, self.config.decay
         rates, join = self.rates(source), self.join_seconds()
         plain, drafting = self.prices(rows, free)
@@ -424,8 +421,7 @@ class DraftLengthPolicy:
         for probs, n in zip(step.confidence, step.accepted, strict=False):
             for i, p in enumerate(probs[: n + 1]):
                 self.by_confidence[self._bucket(p)].add(i < n)
-        cls, d = size_class(step.rows), self.config.decay
-        depth = max(step.k, default=0)
+        cls, d, depth = size_class(step.rows), self.config.decay, max(step.k, default=0)
         self.join_rate = self.join_rate * d + (1 - d) * (step.joined > 0)
         if step.joined and step.seconds > 0:
             own = self.seconds(step.rows, depth, step.free)
