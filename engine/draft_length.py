@@ -17,11 +17,12 @@ so its speed is E(K) / T(K) tokens a row-second; plain's is 1 / T(0). The model'
 K* is the fastest, and 0 unless drafting is predicted faster than plain by `margin`.
 
 A model is only as good as its inputs (a step's price misses rows parting; a Mac's costs
-are not a CPU's), so a safety net plays the realized speeds: among K*-1, K*, K*+1 and 0
-it plays the one with the highest measured tokens a row-second (an arm heard fewer than
-`trust` times is scored by the model), and every 1/explore steps (2/explore while those
-plays keep confirming its choice) it plays the arm heard least recently instead. Drafting
-that loses to plain is therefore stopped by measurement, whatever the model says.
+are not a CPU's; a step's cost need not be a line in K: at 4 rows of the widened pair K = 2
+cost more than K = 3), so a safety net plays the realized speeds: among 0, K*-1, K*, K*+1
+and, where K* drafts, K*+2, it plays the one with the highest measured tokens a row-second
+(an arm heard fewer than `trust` times is scored by the model), and every 1/explore steps
+(2/explore while those plays keep confirming its choice) the arm heard least recently.
+Drafting that loses to plain is therefore stopped by measurement, whatever the model says.
 
 Early stopping. The draft model's confidence in its token (its probability) predicts
 whether the target will accept it. Acceptance is also counted by confidence, and after
@@ -158,9 +159,8 @@ class Arm:
 
 @dataclass
 class Probe:
-    """Forced plays of one (class, free, source): one every `every` steps, from `base`
-    (1/explore) to twice it while the plays leave the net's choice as it was (a play can
-    be dear: at 16 rows it wakes every row's draft cache), back to `base` when one moves it."""
+    """Forced plays of one (class, free, source), every `every` steps: from `base` (1/explore)
+    up to twice it while they leave the net's choice as it was (a play wakes draft caches)."""
 
     base: int
     every: int
@@ -178,15 +178,13 @@ class Probe:
 
 @dataclass
 class StepRecord:
-    """One finished step, as the decoder tells it. `k[i]` is row i's drafts this step
-    (as drafted, however many passed), `judged[i]` how many positions of its proposal
-    the target's output judged (k[i] unless given; one more for a free proposal longer
-    than its draft: a plain step judges such a proposal's first token), `accepted[i]`
-    how many of those passed, `sources[i]` where they came from ("model", "lookup" or
-    "lookup-copying": see `batch.lookup_source`), and `confidence[i]` the draft model's
-    probability of each of row i's drafts (greedy model rows of a step that stopped early;
-    else empty). `clean`: the step's seconds are a fair sample of a step's cost (False
-    where it admitted rows: their prefill ran)."""
+    """One finished step, as the decoder tells it. Per row i: `k[i]` drafts (however many
+    passed), `judged[i]` positions of its proposal the target judged (k[i] unless given; one
+    more for a free proposal longer than its draft), `accepted[i]` how many of them passed,
+    `sources[i]` "model", "lookup" or "lookup-copying" (`batch.lookup_source`), and
+    `confidence[i]` the draft model's probability of each draft (greedy model rows of a step
+    that stopped early; else empty). `clean`: the seconds are a fair sample of a step's cost
+    (False where it admitted rows: their prefill ran)."""
 
     rows: int
     k: list[int]
@@ -342,7 +340,9 @@ class DraftLengthPolicy:
         them (`parting`)."""
         star = self.model_k(rows, cap, free, source, together, left)
         cls = size_class(rows)
-        arms = sorted({0, star, max(star - 1, 0), min(star + 1, cap, self.config.max_k)})
+        top = min(cap, self.config.max_k)
+        arms = {0, star, max(star - 1, 0), min(star + 1, top)}
+        arms = sorted(arms | {min(star + 2, top)} if star else arms)
         every = self._explore_every
         probe = self.probes.setdefault((cls, free, source), Probe(every, every, every))
         if every and self.steps >= probe.due:
