@@ -10,8 +10,9 @@ target pass over K + 1 tokens, in decode steps) and a draft step cost c:
     speedup = tokens emitted / sum over steps of (v(K) + drafted tokens * c)
 
 Policies: fixed K (what mlx-lm does), a confidence threshold (stop drafting where the
-draft's top probability falls below tau, as llama.cpp does), and lookup-where-text-repeats
-with model drafts elsewhere (what the engine's greedy "auto" does).
+draft's top probability falls below tau, as llama.cpp does), lookup-where-text-repeats
+with model drafts elsewhere (what the engine's greedy "auto" does), and two oracles that
+know which drafts pass: the ceiling of any early-stopping rule with this draft.
 
     python benchmarks/draft_replay.py [--prompts 16] [--v 1.30,1.63,...] [--c 0.025]
 
@@ -122,6 +123,19 @@ def hybrid(k_model: int, k_lookup: int):
     return policy
 
 
+def oracle(lookup: bool):
+    """The ceiling of any stopping rule: the draft model drafts exactly the tokens that
+    will pass (none where the first fails), and with `lookup` the lookup proposal is taken
+    where it passes more. No rule that decides from the drafts alone can do better."""
+
+    def policy(r):
+        if lookup and r["lookup_acc"] > r["model_acc"]:
+            return r["lookup_acc"], 0, r["lookup_acc"]
+        return r["model_acc"], r["model_acc"], r["model_acc"]
+
+    return policy
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--prompts", type=int, default=16)
@@ -155,6 +169,13 @@ def main(argv: list[str] | None = None) -> int:
         )
         for km in (2, 4, 6)
         for kl in (4, 8)
+    ]
+    rows += [
+        (
+            "oracle: the draft model drafts exactly what passes",
+            replay(runs, oracle(False), v, args.c),
+        ),
+        ("oracle: the same, or lookup where it passes more", replay(runs, oracle(True), v, args.c)),
     ]
     print(f"{args.prompts} prompts x {args.max_tokens} tokens; v = {v}; c = {args.c}\n")
     print("| policy | speedup over plain decoding | vs best fixed K |")

@@ -17,12 +17,12 @@ so its speed is E(K) / T(K) tokens a row-second; plain's is 1 / T(0). The model'
 K* is the fastest, and 0 unless drafting is predicted faster than plain by `margin`.
 
 A model is only as good as its inputs (a step's price misses rows parting; a Mac's costs
-are not a CPU's; a step's cost need not be a line in K: at 4 rows of the widened pair K = 2
-cost more than K = 3), so a safety net plays the realized speeds: among 0, K*-1, K*, K*+1
-and, where K* drafts, K*+2, it plays the one with the highest measured tokens a row-second
-(an arm heard fewer than `trust` times is scored by the model), and every 1/explore steps
-(2/explore while those plays keep confirming its choice) the arm heard least recently.
-Drafting that loses to plain is therefore stopped by measurement, whatever the model says.
+are not a CPU's; a cost need not be a line in K: at 4 rows of the widened pair K = 2 cost
+more than K = 3), so a safety net plays realized speeds. Among 0, K*-1, K*, K*+1, its own
+last choice and, where K* drafts, K*+2, it plays the one with the most measured tokens a
+row-second (an arm heard fewer than `trust` times is priced by the model, or past K* as
+K*), and every 1/explore steps (2/explore while those plays confirm its choice) the arm
+heard least recently. Drafting that loses to plain is stopped by measurement.
 
 Early stopping. The draft model's confidence in its token (its probability) predicts
 whether the target will accept it. Acceptance is also counted by confidence, and after
@@ -338,13 +338,11 @@ class DraftLengthPolicy:
         `together`, `left`: the joins plain decoding saves by finishing rows that share
         their tokens left on one step, and those rows' mean tokens left; drafting parts
         them (`parting`)."""
-        star = self.model_k(rows, cap, free, source, together, left)
-        cls = size_class(rows)
-        top = min(cap, self.config.max_k)
-        arms = {0, star, max(star - 1, 0), min(star + 1, top)}
-        arms = sorted(arms | {min(star + 2, top)} if star else arms)
-        every = self._explore_every
+        star, cls = self.model_k(rows, cap, free, source, together, left), size_class(rows)
+        top, every = min(cap, self.config.max_k), self._explore_every
         probe = self.probes.setdefault((cls, free, source), Probe(every, every, every))
+        arms = {0, star, max(star - 1, 0), min(star + 1, top), min(probe.choice or 0, top)}
+        arms = sorted(arms | {min(star + 2, top)} if star else arms)
         if every and self.steps >= probe.due:
             probe.asked, probe.due = self.steps, self.steps + probe.every
             # Rows in step are parted by any drafting play: then only plain is re-heard.
@@ -358,20 +356,22 @@ class DraftLengthPolicy:
         rates, join = self.rates(source), self.join_seconds()
         plain, drafting = self.prices(rows, free)
 
+        def price(k: int) -> float | None:
+            # Realized seconds, fading into the line's price as they age (no measurement of
+            # now once the load or context moved); an arm past a drafting K* heard fewer than
+            # `trust` times is priced as K* (a cost need not grow with K): heard, then judged.
+            arm, line = self.arms.get((cls, free, k)), plain if not k else drafting and drafting(k)
+            if arm is None or arm.plays < trust:
+                return price(star) if 0 < star < k else line
+            fresh = decay ** (self.steps - arm.last) if line is not None else 1.0
+            return fresh * arm.seconds + (1 - fresh) * (line or 0.0)
+
         def score(k: int) -> float:
-            # Expected tokens (acceptance is measured at every K alike) over the arm's
-            # realized seconds, which fade into the line's price as they age: seconds
-            # heard long ago (before the load or the context changed) are no measurement
-            # of now, and a realized token count would be too noisy to tell Ks apart.
-            arm = self.arms.get((cls, free, k))
-            price = plain if k == 0 else drafting(k) if drafting is not None else None
-            if arm is not None and arm.plays >= trust:
-                fresh = decay ** (self.steps - arm.last) if price is not None else 1.0
-                price = fresh * arm.seconds + (1 - fresh) * (price or 0.0)
-            if price is None:
+            # Expected tokens (a realized count is too noisy to tell Ks apart) over the price.
+            seconds, tokens = price(k), expected_tokens(rates, k)
+            if seconds is None:
                 return -1.0
-            tokens = expected_tokens(rates, k)
-            return tokens / (price + self.parting(k, tokens, together, left, join))
+            return tokens / (seconds + self.parting(k, tokens, together, left, join))
 
         if self.arms.get((cls, free, star), Arm()).plays < trust:
             return star  # the model's choice is heard before the net judges it
