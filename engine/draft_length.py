@@ -18,11 +18,13 @@ K* is the fastest, and 0 unless drafting is predicted faster than plain by `marg
 
 A model is only as good as its inputs (a step's price misses rows parting; a Mac's costs
 are not a CPU's; a cost need not be a line in K: at 4 rows of the widened pair K = 2 cost
-more than K = 3), so a safety net plays realized speeds. Among 0, K*-1, K*, K*+1, its own
-last choice and, where K* drafts, K*+2, it plays the one with the most measured tokens a
-row-second (an arm heard fewer than `trust` times is priced by the model, or past K* as
-K*), and every 1/explore steps (2/explore while those plays confirm its choice) the arm
-heard least recently. Drafting that loses to plain is stopped by measurement.
+more than K = 3), so a safety net plays realized speeds. Among 0, K*-1, K*, K*+1 and, for
+model drafts, its own last choice and K*+2 (where K* drafts; an arm past K* heard fewer
+than `trust` times is priced as K*, so it is heard before it is judged; a free draft's
+arm is the length its proposal had, rarely a deep one), it plays the one with the most
+measured tokens a row-second (an arm heard fewer than `trust` times priced by the model),
+and every 1/explore steps (2/explore while those confirm its choice) the arm heard least
+recently. Drafting that loses to plain is stopped by measurement.
 
 Early stopping. The draft model's confidence in its token (its probability) predicts
 whether the target will accept it. Acceptance is also counted by confidence, and after
@@ -65,10 +67,9 @@ class PolicyConfig:
     #: Plays of an arm before its realized speed, not the model's prediction, scores it:
     #: fewer reacts sooner, more trusts one noisy step less.
     trust: int = 3
-    #: Largest batch whose draft model stops a block early where its confidence predicts
-    #: a rejection (0: never). Each check is a host sync per draft pass, and a batch stops
-    #: only where its rows' summed confidence says so: on the widened pair "auto" read
-    #: +2% with it at 1 row and -11% at 4 rows (`lockstep.py`, 2026-12-07).
+    #: Largest batch whose draft stops a block early where its confidence predicts a
+    #: rejection (0: never): each check is a host sync per draft pass; on the widened pair
+    #: "auto" read +2% with it at 1 row, -11% at 4 rows (`lockstep.py`, 2026-12-07).
     early_stop_rows: int = 1
 
 
@@ -232,17 +233,15 @@ class DraftLengthPolicy:
         position with little evidence leans on the one before it."""
         if source in self._rates:  # (kept until a draft of that source is heard)
             return self._rates[source]
-        table = self._positions(source)
         out, prior = [], self.config.prior_acceptance
-        for rate in table:
-            prior = rate.value(prior)
-            out.append(prior)
+        for rate in self._positions(source):
+            out.append(prior := rate.value(prior))
         self._rates[source] = out
         return out
 
     def _positions(self, source: str) -> list[Rate]:
+        c = self.config
         if source not in self.positions:
-            c = self.config
             self.positions[source] = [
                 Rate(c.prior_acceptance, c.prior_weight, c.decay) for _ in range(max(c.max_k, 16))
             ]
@@ -341,8 +340,10 @@ class DraftLengthPolicy:
         star, cls = self.model_k(rows, cap, free, source, together, left), size_class(rows)
         top, every = min(cap, self.config.max_k), self._explore_every
         probe = self.probes.setdefault((cls, free, source), Probe(every, every, every))
-        arms = {0, star, max(star - 1, 0), min(star + 1, top), min(probe.choice or 0, top)}
-        arms = sorted(arms | {min(star + 2, top)} if star else arms)
+        arms = {0, star, max(star - 1, 0), min(star + 1, top)}
+        if not free:  # (see the module docstring)
+            arms |= {min(probe.choice or 0, top), min(star + 2, top) if star else 0}
+        arms = sorted(arms)
         if every and self.steps >= probe.due:
             probe.asked, probe.due = self.steps, self.steps + probe.every
             # Rows in step are parted by any drafting play: then only plain is re-heard.
@@ -358,11 +359,10 @@ class DraftLengthPolicy:
 
         def price(k: int) -> float | None:
             # Realized seconds, fading into the line's price as they age (no measurement of
-            # now once the load or context moved); an arm past a drafting K* heard fewer than
-            # `trust` times is priced as K* (a cost need not grow with K): heard, then judged.
+            # now once the load or context moved); see the module docstring for arms past K*.
             arm, line = self.arms.get((cls, free, k)), plain if not k else drafting and drafting(k)
             if arm is None or arm.plays < trust:
-                return price(star) if 0 < star < k else line
+                return price(star) if 0 < star < k and not free else line
             fresh = decay ** (self.steps - arm.last) if line is not None else 1.0
             return fresh * arm.seconds + (1 - fresh) * (line or 0.0)
 
