@@ -26,6 +26,7 @@ from pathlib import Path
 import pytest
 from conftest import PAIR_ARGS, RedisEnv, WorkerProcess, scaled, script, stored, wait_until
 from redis import Redis
+from rq.exceptions import NoSuchJobError
 from rq.job import Job
 from rq.registry import FailedJobRegistry, StartedJobRegistry
 from rq.serializers import JSONSerializer
@@ -263,7 +264,10 @@ def test_workers_killed_mid_job_lose_nothing_and_their_jobs_come_back_in_bounded
         for job, worker in _running(redis_env, batch).items():
             if job in seen or worker not in live:
                 continue
-            keys = _job_lines(redis_env, job)
+            try:
+                keys = _job_lines(redis_env, job)
+            except NoSuchJobError:  # it finished (and was deleted) since it was listed
+                continue
             if 0 < sum(stored(keys)) < len(keys):
                 return job, worker, keys
         return None
