@@ -240,8 +240,8 @@ class DraftLengthPolicy:
         return out
 
     def _positions(self, source: str) -> list[Rate]:
-        c = self.config
         if source not in self.positions:
+            c = self.config
             self.positions[source] = [
                 Rate(c.prior_acceptance, c.prior_weight, c.decay) for _ in range(max(c.max_k, 16))
             ]
